@@ -1,0 +1,3 @@
+from quantlab.cli import app
+
+app(prog_name="quantlab")

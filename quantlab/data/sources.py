@@ -1,0 +1,133 @@
+"""Text sources for calibration and evaluation: documents as a list of strings.
+
+`dataset.source` is one of
+  * a shortcut from `quantlab.calib_data/shortcuts.yaml` (wikitext2, c4, pileval, cnn_dailymail),
+  * `modelscope:<org>/<name>` (needs the `modelscope` extra),
+  * a local `.txt` (one document per line, newline kept: the rows of HF wikitext) or
+    `.jsonl` / `.json` / `.parquet` file with a text field,
+  * any other Hugging Face `datasets` hub id.
+With `format: chat`, records are conversations (`messages` lists, or alpaca-style
+`instruction`/`input`/`output`) rendered through the tokenizer's chat template.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from functools import cache
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+
+from quantlab.errors import UserError
+from quantlab.recipe import DatasetSpec
+
+LOCAL_SUFFIXES = {".txt", ".raw", ".jsonl", ".json", ".parquet"}
+
+
+@cache
+def shortcuts() -> dict[str, dict[str, Any]]:
+    text = importlib.resources.files("quantlab.calib_data").joinpath("shortcuts.yaml").read_text()
+    return yaml.safe_load(text)
+
+
+def is_local(source: str) -> bool:
+    return Path(source).suffix in LOCAL_SUFFIXES or source.startswith((".", "/", "~")) or Path(source).exists()
+
+
+def check_source(spec: DatasetSpec, field: str) -> None:
+    """Checks done before a run starts: a local file must exist and have a known suffix."""
+    if spec.source in shortcuts() or spec.source.startswith("modelscope:") or not is_local(spec.source):
+        return
+    path = Path(spec.source).expanduser()
+    if not path.is_file():
+        raise UserError(f"{field}.source: file {spec.source!r} not found; give an existing "
+                        f"{'/'.join(sorted(LOCAL_SUFFIXES))} file, a hub dataset id, or one of: "
+                        f"{', '.join(shortcuts())}")
+    if path.suffix not in LOCAL_SUFFIXES:
+        raise UserError(f"{field}.source: {spec.source!r} has suffix {path.suffix!r}; "
+                        f"local files must be one of {', '.join(sorted(LOCAL_SUFFIXES))}")
+
+
+def load_documents(spec: DatasetSpec, field: str, tokenizer: Any = None) -> list[str]:
+    """The documents of a source, in order, limited to `max_documents`."""
+    if spec.source.endswith((".txt", ".raw")) and spec.format == "text":
+        docs = Path(spec.source).expanduser().read_text(encoding="utf-8").splitlines(keepends=True)
+    else:
+        records = _records(spec, field)
+        docs = list(_render(records, spec, field, tokenizer))
+    if spec.max_documents:
+        docs = docs[: spec.max_documents]
+    if not any(d.strip() for d in docs):
+        raise UserError(f"{field}.source: {spec.source!r} holds no text")
+    return docs
+
+
+def _records(spec: DatasetSpec, field: str) -> Iterable[dict[str, Any]]:
+    import datasets
+
+    datasets.logging.set_verbosity_error()
+    try:
+        if spec.source.startswith("modelscope:"):
+            return _modelscope_records(spec, field)
+        if is_local(spec.source):
+            path = Path(spec.source).expanduser()
+            builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(path.suffix, "text")
+            return datasets.load_dataset(builder, data_files=str(path), split="train")
+        short = shortcuts().get(spec.source)
+        if short:
+            return datasets.load_dataset(
+                short["path"], short.get("subset"), data_files=short.get("data_files"),
+                split=spec.split if spec.split != "train" or "split" not in short else short["split"],
+            )
+        return datasets.load_dataset(spec.source, spec.subset, split=spec.split)
+    except (FileNotFoundError, ConnectionError, OSError, ValueError) as exc:
+        raise UserError(
+            f"{field}.source: could not load dataset {spec.source!r} ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:160] if str(exc) else ''}); offline? download it elsewhere and "
+            f"point {field}.source at a local .txt/.jsonl/.json/.parquet file"
+        ) from None
+
+
+def _modelscope_records(spec: DatasetSpec, field: str) -> Iterable[dict[str, Any]]:
+    try:
+        from modelscope.msdatasets import MsDataset
+    except ImportError:
+        raise UserError(f"{field}.source: modelscope datasets need pip install 'quantlab[modelscope]'") from None
+    name = spec.source.removeprefix("modelscope:")
+    return MsDataset.load(name, subset_name=spec.subset, split=spec.split)
+
+
+def _render(records: Iterable[dict[str, Any]], spec: DatasetSpec, field: str, tokenizer: Any) -> Iterable[str]:
+    short = shortcuts().get(spec.source, {})
+    text_field = short.get("text_field", spec.text_field) if spec.text_field == "text" else spec.text_field
+    for i, record in enumerate(records):
+        if spec.format == "chat":
+            yield render_chat(record, tokenizer, field, i)
+            continue
+        if text_field not in record:
+            raise UserError(f"{field}.text_field: record {i} of {spec.source!r} has no field "
+                            f"{text_field!r}; fields: {', '.join(record)}")
+        yield str(record[text_field])
+
+
+def chat_messages(record: dict[str, Any]) -> list[dict[str, str]] | None:
+    """A record as chat messages: `messages`/`conversations` lists, or alpaca fields."""
+    for key in ("messages", "conversations"):
+        if isinstance(record.get(key), list):
+            return [{"role": m.get("role", m.get("from")), "content": m.get("content", m.get("value"))}
+                    for m in record[key]]
+    if "instruction" in record:
+        prompt = record["instruction"] + (f"\n\n{record['input']}" if record.get("input") else "")
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": record.get("output", "")}]
+    return None
+
+
+def render_chat(record: dict[str, Any], tokenizer: Any, field: str, index: int) -> str:
+    messages = chat_messages(record)
+    if messages is None:
+        raise UserError(f"{field}.format: chat record {index} has neither 'messages' nor alpaca "
+                        f"'instruction'/'output' fields; fields: {', '.join(record)}")
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise UserError(f"{field}.format: chat data needs a tokenizer with a chat template; this model has none")
+    return tokenizer.apply_chat_template(messages, tokenize=False)

@@ -1,0 +1,156 @@
+"""The sequential layer-by-layer engine.
+
+Capture the inputs of decoder layer 0 for every calibration batch, then for each layer:
+onload it to the compute device, let each algorithm (in recipe order) observe and quantize
+it, write the fake-quantized weights back so the layer computes what it will compute when
+deployed, recompute the layer's outputs as the next layer's inputs, and offload it. Peak
+memory is one layer plus the calibration activations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fnmatch import fnmatch
+from typing import Any, Callable, Iterable, Protocol
+
+import torch
+from torch import nn
+
+from quantlab.models.arch import ArchSpec
+from quantlab.quant.primitives import QuantizedWeight
+
+
+class _Captured(Exception):
+    """Raised by the layer-0 hook to stop the forward once its inputs are recorded."""
+
+
+@dataclass
+class Batch:
+    hidden: torch.Tensor  # [b, L, H] input of the current layer
+    kwargs: dict[str, Any]  # everything else the decoder layer is called with
+
+
+@dataclass
+class LayerContext:
+    """What an algorithm sees of one decoder layer."""
+
+    index: int
+    prefix: str
+    layer: nn.Module
+    spec: ArchSpec
+    batches: list[Batch]
+    device: torch.device
+    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
+
+    def linear(self, name: str) -> nn.Linear:
+        return self.layer.get_submodule(name)
+
+    def forward(self) -> list[torch.Tensor]:
+        """Run the layer over every calibration batch (hooks attached by callers observe it)."""
+        with torch.no_grad():
+            return [_layer_output(self.layer(b.hidden, **b.kwargs)) for b in self.batches]
+
+
+class LayerAlgorithm(Protocol):
+    """A quantization algorithm's adapter to the engine.
+
+    `apply` may observe the layer (through `ctx.forward()`), change its float parameters
+    (AWQ/SmoothQuant scale folding) and return canonical codes for some of its Linears.
+    """
+
+    def apply(self, ctx: LayerContext) -> dict[str, QuantizedWeight]: ...
+
+
+def is_ignored(full_name: str, patterns: Iterable[str]) -> bool:
+    return any(fnmatch(full_name, p) for p in patterns)
+
+
+def _layer_output(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _to(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, tuple):
+        return tuple(_to(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to(v, device) for k, v in obj.items()}
+    return obj
+
+
+def capture_layer0_inputs(
+    model: nn.Module, spec: ArchSpec, input_ids: torch.Tensor, batch_size: int, device: torch.device
+) -> list[Batch]:
+    """Run the model's embedding part on each batch and record what layer 0 receives."""
+    layers = spec.decoder_layers(model)
+    batches: list[Batch] = []
+
+    def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value")}
+        batches.append(Batch(hidden.detach(), {**kwargs, "use_cache": False}))
+        raise _Captured
+
+    # Everything before layer 0 (embeddings, rotary) goes to the device; the layers stay put.
+    handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    moved = _move_non_layers(model, spec, device)
+    try:
+        with torch.no_grad():
+            for start in range(0, input_ids.shape[0], batch_size):
+                try:
+                    model(input_ids[start : start + batch_size].to(device), use_cache=False)
+                except _Captured:
+                    pass
+    finally:
+        handle.remove()
+        for module in moved:
+            module.to("cpu")
+    return batches
+
+
+def _move_non_layers(model: nn.Module, spec: ArchSpec, device: torch.device) -> list[nn.Module]:
+    if device.type == "cpu":
+        return []
+    layers = spec.decoder_layers(model)
+    moved = []
+    parent = model.get_submodule(spec.layers.rsplit(".", 1)[0])
+    for child in parent.children():
+        if child is not layers:
+            child.to(device)
+            moved.append(child)
+    return moved
+
+
+def run_sequential(
+    model: nn.Module,
+    spec: ArchSpec,
+    input_ids: torch.Tensor,
+    algorithms: list[LayerAlgorithm],
+    device: torch.device,
+    batch_size: int = 8,
+    on_layer: Callable[[int, int], None] | None = None,
+) -> dict[str, QuantizedWeight]:
+    """Quantize every decoder layer in order; returns canonical codes keyed by full Linear name."""
+    batches = capture_layer0_inputs(model, spec, input_ids, batch_size, device)
+    layers = spec.decoder_layers(model)
+    quantized: dict[str, QuantizedWeight] = {}
+    for index, layer in enumerate(layers):
+        layer.to(device)
+        batches = [Batch(b.hidden.to(device), _to(b.kwargs, device)) for b in batches]
+        ctx = LayerContext(index, f"{spec.layers}.{index}", layer, spec, batches, device)
+        for algorithm in algorithms:
+            for name, qw in algorithm.apply(ctx).items():
+                ctx.linear(name).weight.data.copy_(qw.dequantize().to(ctx.linear(name).weight.dtype))
+                ctx.quantized[name] = qw
+        outputs = ctx.forward()
+        batches = [Batch(out, b.kwargs) for out, b in zip(outputs, batches)]
+        layer.to("cpu")
+        quantized.update({f"{ctx.prefix}.{name}": _cpu(qw) for name, qw in ctx.quantized.items()})
+        if on_layer:
+            on_layer(index + 1, len(layers))
+    return quantized
+
+
+def _cpu(qw: QuantizedWeight) -> QuantizedWeight:
+    return QuantizedWeight(qw.codes.cpu(), qw.scales.cpu(), qw.zeros.cpu(), qw.g_idx.cpu(), qw.scheme)

@@ -1,0 +1,68 @@
+"""Perplexity with the wikitext-2 protocol used by GPTQ, AWQ and the peers.
+
+Join the documents with "\\n\\n", tokenize once, cut into non-overlapping windows of
+`seq_len` tokens (the tail shorter than a window is dropped), score every token after the
+first of each window, and report exp(mean NLL) with the window and token counts so results
+are comparable across tools. `max_windows` evaluates the first k windows only.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PerplexityResult:
+    perplexity: float
+    mean_nll: float
+    windows: int
+    windows_available: int
+    seq_len: int
+    tokens_scored: int
+    tokens_total: int
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def windows_of(stream: torch.Tensor, seq_len: int, max_windows: int | None) -> torch.Tensor:
+    available = stream.numel() // seq_len
+    if available == 0:
+        raise ValueError(f"evaluation data has {stream.numel()} tokens, fewer than one window of {seq_len}")
+    count = min(available, max_windows) if max_windows else available
+    return stream[: count * seq_len].view(count, seq_len)
+
+
+@torch.no_grad()
+def perplexity(
+    model: torch.nn.Module,
+    stream: torch.Tensor,
+    seq_len: int,
+    max_windows: int | None = None,
+    device: torch.device = torch.device("cpu"),
+    on_window: Callable[[int, int], None] | None = None,
+) -> PerplexityResult:
+    start = time.perf_counter()
+    windows = windows_of(stream, seq_len, max_windows)
+    model.to(device)
+    total_nll = 0.0
+    for i, window in enumerate(windows):
+        ids = window.unsqueeze(0).to(device)
+        logits = model(ids, use_cache=False).logits[0, :-1].float()
+        total_nll += F.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
+        if on_window:
+            on_window(i + 1, len(windows))
+    scored = len(windows) * (seq_len - 1)
+    mean = total_nll / scored
+    return PerplexityResult(
+        perplexity=math.exp(mean), mean_nll=mean, windows=len(windows),
+        windows_available=stream.numel() // seq_len, seq_len=seq_len, tokens_scored=scored,
+        tokens_total=stream.numel(), seconds=round(time.perf_counter() - start, 2),
+    )

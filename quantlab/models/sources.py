@@ -1,0 +1,124 @@
+"""Model sources: turn the recipe's `model.id` into a loaded float model and tokenizer.
+
+Forms of `model.id`, tried in this order:
+  * a built-in alias (`quantlab models` lists them),
+  * `modelscope:<org>/<name>` (needs the `modelscope` extra),
+  * an existing local directory (Hugging Face layout) or `.gguf` file,
+  * a Hugging Face hub id, optionally with `revision`, read from the local HF cache when the
+    hub is unreachable (`HF_HUB_OFFLINE=1`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quantlab.errors import UserError
+from quantlab.models.builtin import BUILTIN_MODELS, float_checkpoint
+from quantlab.recipe import ModelSpec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """Where the weights are, as from_pretrained wants it, plus what to record in the manifest."""
+
+    kind: str  # builtin | modelscope | local | gguf | hub
+    location: str  # a local directory, or the hub id
+    gguf_file: str | None
+    revision: str | None
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "location": self.location, "gguf_file": self.gguf_file,
+                "revision": self.revision}
+
+
+def looks_local(model_id: str) -> bool:
+    return model_id.startswith((".", "/", "~")) or model_id.endswith(".gguf") or Path(model_id).exists()
+
+
+def check_model_id(spec: ModelSpec) -> None:
+    """Cheap checks done before a run directory exists (no downloads, no loading)."""
+    if spec.id in BUILTIN_MODELS or spec.id.startswith("modelscope:"):
+        return
+    if looks_local(spec.id):
+        path = Path(spec.id).expanduser()
+        if not path.exists():
+            raise UserError(f"model.id: local path {spec.id!r} does not exist; give an existing "
+                            f"directory or .gguf file, a hub id, or one of: {', '.join(BUILTIN_MODELS)}")
+        if path.is_dir() and not (path / "config.json").is_file() and not spec.gguf_file:
+            raise UserError(f"model.id: directory {spec.id!r} has no config.json (a Hugging Face "
+                            f"checkpoint) and model.gguf_file is not set")
+
+
+def resolve(spec: ModelSpec) -> ResolvedModel:
+    if spec.id in BUILTIN_MODELS:
+        return ResolvedModel("builtin", str(float_checkpoint(spec.id)), None, BUILTIN_MODELS[spec.id].version)
+    if spec.id.startswith("modelscope:"):
+        return ResolvedModel("modelscope", _modelscope_download(spec), spec.gguf_file, spec.revision)
+    path = Path(spec.id).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ResolvedModel("gguf", str(path.parent), path.name, None)
+    if path.is_dir():
+        return ResolvedModel("local", str(path), spec.gguf_file, None)
+    return ResolvedModel("hub", spec.id, spec.gguf_file, spec.revision)
+
+
+def _modelscope_download(spec: ModelSpec) -> str:
+    try:
+        from modelscope import snapshot_download
+    except ImportError:
+        raise UserError("model.id: modelscope ids need the extra: pip install 'quantlab[modelscope]'") from None
+    repo = spec.id.removeprefix("modelscope:")
+    try:
+        return snapshot_download(repo, revision=spec.revision or "master")
+    except Exception as exc:  # modelscope raises many types for network failures
+        raise UserError(f"model.id: could not download {repo!r} from ModelScope ({type(exc).__name__}); "
+                        "offline? download it elsewhere and set model.id to the local directory") from None
+
+
+def load_model(spec: ModelSpec, resolved: ResolvedModel) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    kwargs = dict(dtype=DTYPES[spec.dtype], trust_remote_code=spec.trust_remote_code)
+    if resolved.gguf_file:
+        kwargs["gguf_file"] = resolved.gguf_file
+    if resolved.revision and resolved.kind == "hub":
+        kwargs["revision"] = resolved.revision
+    try:
+        model = AutoModelForCausalLM.from_pretrained(resolved.location, **kwargs)
+    except OSError as exc:
+        raise _unreachable(spec, resolved, exc) from None
+    if resolved.gguf_file:
+        model.hf_quantizer = None  # dequantized on load: plain float from here on
+    return model.eval()
+
+
+def load_tokenizer(spec: ModelSpec, resolved: ResolvedModel) -> Any:
+    from transformers import AutoTokenizer
+
+    kwargs: dict[str, Any] = dict(trust_remote_code=spec.trust_remote_code)
+    if resolved.gguf_file:
+        kwargs["gguf_file"] = resolved.gguf_file
+    if resolved.revision and resolved.kind == "hub":
+        kwargs["revision"] = resolved.revision
+    try:
+        return AutoTokenizer.from_pretrained(resolved.location, **kwargs)
+    except OSError as exc:
+        raise _unreachable(spec, resolved, exc) from None
+
+
+def _unreachable(spec: ModelSpec, resolved: ResolvedModel, exc: OSError) -> UserError:
+    if resolved.kind != "hub":
+        return UserError(f"model.id: could not load {resolved.location!r}: {str(exc).splitlines()[0]}")
+    rev = f" at revision {spec.revision}" if spec.revision else ""
+    return UserError(
+        f"model.id: {spec.id!r}{rev} is neither a local path nor reachable on the Hugging Face hub "
+        f"or in its local cache; tried hub and cache. Offline? set model.id to a local checkpoint "
+        f"directory or .gguf file (e.g. --set model.id=/path/to/model), or use a built-in alias: "
+        f"{', '.join(BUILTIN_MODELS)}"
+    )

@@ -1,0 +1,59 @@
+"""Recipe → Plan: the ordered stages of a run, each with a content key over its inputs.
+
+A stage's key hashes exactly what its outputs depend on (the keys of the stages it reads plus
+its own parameters), so a resumed run skips finished stages and a changed parameter reruns
+only what depends on it: a new evaluation window count reuses the quantized model, a new
+group size reuses the calibration set and the float baseline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from quantlab import stages
+from quantlab.context import RunContext
+from quantlab.data.sources import check_source
+from quantlab.models.sources import check_model_id
+from quantlab.recipe import Recipe
+from quantlab.rundir import content_key
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    key: str
+    outputs: tuple[str, ...]
+    run: Callable[[RunContext], None]
+
+
+def preflight(recipe: Recipe) -> None:
+    """Checks that need the filesystem but no downloads; done before a run directory exists."""
+    check_model_id(recipe.model)
+    if recipe.calibration:
+        check_source(recipe.calibration.dataset, "calibration.dataset")
+    if recipe.evaluate.perplexity:
+        check_source(recipe.evaluate.perplexity.dataset, "evaluate.perplexity.dataset")
+
+
+def build_plan(recipe: Recipe) -> list[Stage]:
+    model = recipe.model.model_dump(mode="json")
+    plan: list[Stage] = []
+    calib_key = "none"
+    if recipe.calibration:
+        calib_key = content_key("calibration", model, recipe.calibration.model_dump(mode="json"), recipe.seed)
+        plan.append(Stage("calibration", calib_key, (stages.CALIB_TOKENS, stages.CALIB_INFO), stages.calibrate))
+    ppl = recipe.evaluate.perplexity
+    ppl_params = ppl.model_dump(mode="json", exclude={"baseline"}) if ppl else None
+    if ppl and ppl.baseline:
+        plan.append(Stage("evaluate_float", content_key("ppl", model, ppl_params), (stages.PPL_FLOAT,),
+                          stages.evaluate_float))
+    stage_params = [e.model_dump(mode="json", exclude_none=True) for e in recipe.stages]
+    quant_key = content_key("quantize", model, calib_key, stage_params, recipe.seed)
+    plan.append(Stage("quantize", quant_key, (stages.QUANTIZED,), stages.quantize))
+    if ppl:
+        plan.append(Stage("evaluate_quantized", content_key("ppl", quant_key, ppl_params), (stages.PPL_QUANT,),
+                          stages.evaluate_quantized))
+    report_key = content_key("report", [s.key for s in plan])
+    plan.append(Stage("report", report_key, (stages.REPORT_JSON, stages.REPORT_MD), stages.report))
+    return plan

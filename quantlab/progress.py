@@ -1,0 +1,26 @@
+"""Rich progress bars and messages on stderr, so stdout stays clean for data."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+console = Console(stderr=True)
+
+
+@contextlib.contextmanager
+def step(description: str, total: int | None = None) -> Iterator[Callable[[int, int], None]]:
+    """A progress bar for one long step; yields `update(done, total)`."""
+    with Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, transient=False,
+    ) as progress:
+        task = progress.add_task(description, total=total)
+
+        def update(done: int, new_total: int) -> None:
+            progress.update(task, completed=done, total=new_total)
+
+        yield update

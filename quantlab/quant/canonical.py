@@ -1,0 +1,101 @@
+"""The canonical quantized form: the one artifact every exporter, the runner and eval read.
+
+A directory holding
+  * `model.safetensors` — for each quantized Linear `N`: `N.weight_packed` (int32, codes
+    packed along the input dim), `N.weight_scale` (fp32 `[out, groups]`),
+    `N.weight_zero_point` (uint8 `[out, groups]`), `N.g_idx` (int32 `[in]`); every other
+    parameter of the model in float, after any folding the algorithms did (AWQ scales in
+    norms, biases);
+  * `quant_config.json` — format version and the scheme and shape of every quantized Linear;
+  * the model's `config.json`, generation config and tokenizer files, so the directory is
+    self-contained.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from quantlab.quant.packing import pack, unpack
+from quantlab.quant.primitives import QuantizedWeight
+from quantlab.quant.scheme import WeightScheme
+from quantlab.rundir import atomic_path
+
+FORMAT = "quantlab.canonical/1"
+QUANT_FIELDS = ("weight_packed", "weight_scale", "weight_zero_point", "g_idx")
+
+
+def save_canonical(
+    target: Path, model: torch.nn.Module, quantized: dict[str, QuantizedWeight], tokenizer: Any,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in model.state_dict().items():
+        module = name.rsplit(".", 1)[0]
+        if (module in quantized and name.endswith(".weight")) or id(tensor) in seen:
+            continue  # quantized weights are stored as codes; tied weights once
+        seen.add(id(tensor))
+        tensors[name] = tensor.detach().cpu().contiguous()
+    modules = {}
+    for name, qw in quantized.items():
+        tensors[f"{name}.weight_packed"] = pack(qw.codes, qw.scheme.bits)
+        tensors[f"{name}.weight_scale"] = qw.scales.float().contiguous()
+        tensors[f"{name}.weight_zero_point"] = qw.zeros.to(torch.uint8).contiguous()
+        tensors[f"{name}.g_idx"] = qw.g_idx.to(torch.int32).contiguous()
+        modules[name] = {"shape": list(qw.codes.shape), **qw.scheme.model_dump()}
+    config = {"format": FORMAT, "modules": modules, **(extra or {})}
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(target) as tmp:
+        tmp.mkdir()
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": FORMAT})
+        (tmp / "quant_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        model.config.save_pretrained(tmp)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+
+def load_canonical(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
+    """Float tensors and quantized weights, exactly as stored."""
+    config = json.loads((source / "quant_config.json").read_text())
+    if config.get("format") != FORMAT:
+        raise ValueError(f"{source}: not a {FORMAT} directory (format={config.get('format')!r})")
+    tensors = load_file(source / "model.safetensors")
+    quantized = {}
+    for name, info in config["modules"].items():
+        scheme = WeightScheme(bits=info["bits"], symmetric=info["symmetric"], group_size=info["group_size"])
+        out_f, in_f = info["shape"]
+        quantized[name] = QuantizedWeight(
+            codes=unpack(tensors.pop(f"{name}.weight_packed"), scheme.bits, in_f),
+            scales=tensors.pop(f"{name}.weight_scale"),
+            zeros=tensors.pop(f"{name}.weight_zero_point"),
+            g_idx=tensors.pop(f"{name}.g_idx"),
+            scheme=scheme,
+        )
+    return tensors, quantized
+
+
+def load_fake_quant_model(source: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Rebuild a float model whose quantized Linears hold their dequantized weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    config = AutoConfig.from_pretrained(source)
+    with no_init_weights():  # every weight is overwritten below; buffers (rotary) are computed
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    tensors, quantized = load_canonical(source)
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    state.update({f"{name}.weight": qw.dequantize().to(dtype) for name, qw in quantized.items()})
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    still_missing = [k for k in missing if k not in tied]
+    if still_missing or unexpected:
+        raise ValueError(f"{source}: canonical form does not match the model: missing "
+                         f"{still_missing[:5]}, unexpected {unexpected[:5]}")
+    model.tie_weights()
+    return model.eval()

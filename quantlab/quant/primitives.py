@@ -1,0 +1,123 @@
+"""Quantization primitives shared by every algorithm, exporter and the runner.
+
+Small composable functions on tensors (torchao style): compute qparams, quantize, dequantize,
+fake-quantize. Codes are always unsigned `0..2^b−1` with an integer zero point, so one dequant
+rule `(q − z)·s` covers symmetric (z = 2^(b−1)) and asymmetric schemes; exporters translate.
+
+Group tails: when the group size does not divide the input dim, the last group is shorter.
+Per-group statistics are computed on a view padded by repeating the row's last column, which
+leaves min, max and absmax of the short group unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from quantlab.quant.scheme import WeightScheme
+
+
+@dataclass
+class QuantizedWeight:
+    """The canonical quantized form of one Linear weight `[out, in]`."""
+
+    codes: torch.Tensor  # uint8 [out, in], values 0..2^bits-1
+    scales: torch.Tensor  # float32 [out, n_groups]
+    zeros: torch.Tensor  # uint8 [out, n_groups]
+    g_idx: torch.Tensor  # int32 [in], group of each input column
+    scheme: WeightScheme
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize(self.codes, self.scales, self.zeros, self.g_idx)
+
+
+def num_groups(in_features: int, group_size: int | None) -> int:
+    return 1 if group_size is None else math.ceil(in_features / group_size)
+
+
+def default_g_idx(in_features: int, group_size: int | None) -> torch.Tensor:
+    """Group id per input column: `i // G`, or all zeros per-channel."""
+    if group_size is None:
+        return torch.zeros(in_features, dtype=torch.int32)
+    return (torch.arange(in_features) // group_size).to(torch.int32)
+
+
+def grouped(w: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """View `[out, in]` as `[out, n_groups, G]`, padding a short tail group by edge repeat."""
+    out_f, in_f = w.shape
+    g = in_f if group_size is None else group_size
+    pad = num_groups(in_f, group_size) * g - in_f
+    if pad:
+        w = torch.cat([w, w[:, -1:].expand(out_f, pad)], dim=1)
+    return w.reshape(out_f, -1, g)
+
+
+def compute_qparams(
+    wmin: torch.Tensor, wmax: torch.Tensor, bits: int, symmetric: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and integer zero point from per-group ranges (any matching shapes)."""
+    qmax = 2**bits - 1
+    if symmetric:
+        absmax = torch.maximum(wmin.abs(), wmax.abs())
+        scale = (absmax / (qmax / 2)).clamp(min=1e-8)
+        zero = torch.full_like(scale, 2 ** (bits - 1))
+    else:
+        # Keep 0 representable (as GPTQ does): a group that does not straddle zero would
+        # otherwise get a zero point outside the code range and clip.
+        wmin, wmax = wmin.clamp(max=0), wmax.clamp(min=0)
+        scale = ((wmax - wmin) / qmax).clamp(min=1e-8)
+        zero = torch.clamp(torch.round(-wmin / scale), 0, qmax)
+    return scale.float(), zero.float()
+
+
+def group_ranges(w: torch.Tensor, group_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-(row, group) min and max, each `[out, n_groups]`."""
+    g = grouped(w.float(), group_size)
+    return g.amin(dim=-1), g.amax(dim=-1)
+
+
+def quantize(
+    w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor, bits: int
+) -> torch.Tensor:
+    """Codes for `w [out, in]` given per-group `scales`, `zeros [out, n_groups]`."""
+    s = scales[:, g_idx.long()]
+    z = zeros[:, g_idx.long()]
+    q = torch.clamp(torch.round(w.float() / s) + z, 0, 2**bits - 1)
+    return q.to(torch.uint8)
+
+
+def dequantize(
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor
+) -> torch.Tensor:
+    idx = g_idx.long()
+    return (codes.float() - zeros.float()[:, idx]) * scales.float()[:, idx]
+
+
+def quantize_column(
+    w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int
+) -> torch.Tensor:
+    """Fake-quantize one column (or any block) with already chosen qparams; used by GPTQ."""
+    q = torch.clamp(torch.round(w / scale) + zero, 0, 2**bits - 1)
+    return (q - zero) * scale
+
+
+def quantize_weight(w: torch.Tensor, scheme: WeightScheme) -> QuantizedWeight:
+    """Round-to-nearest with min/max (or absmax) ranges: the RTN baseline, and the final
+    encoding step of algorithms that only adjust the weight or its ranges beforehand."""
+    wmin, wmax = group_ranges(w, scheme.group_size)
+    return quantize_with_ranges(w, wmin, wmax, scheme)
+
+
+def quantize_with_ranges(
+    w: torch.Tensor, wmin: torch.Tensor, wmax: torch.Tensor, scheme: WeightScheme
+) -> QuantizedWeight:
+    scales, zeros = compute_qparams(wmin, wmax, scheme.bits, scheme.symmetric)
+    g_idx = default_g_idx(w.shape[1], scheme.group_size)
+    codes = quantize(w, scales, zeros, g_idx, scheme.bits)
+    return QuantizedWeight(codes, scales, zeros.to(torch.uint8), g_idx, scheme)
+
+
+def fake_quantize_weight(w: torch.Tensor, scheme: WeightScheme) -> torch.Tensor:
+    return quantize_weight(w, scheme).dequantize().to(w.dtype)

@@ -1,0 +1,257 @@
+"""The recipe: one YAML file that names the model, data, stages, evaluation and outputs.
+
+Parsed with `yaml.safe_load` into strict pydantic models (unknown keys are errors). Every
+error becomes one line naming the YAML path (`stages[0].rtn.weights.group_size`), the bad
+value and what is allowed. CLI overrides (`--set calibration.num_samples=64`) are applied to
+the raw mapping first, so they go through exactly the same validation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from quantlab.errors import UserError
+from quantlab.quant.scheme import PRESETS, WeightScheme
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSpec(Strict):
+    """Where the float model comes from; see `quantlab.models.sources` for the forms of `id`."""
+
+    id: str = Field(min_length=1)
+    revision: str | None = None
+    gguf_file: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    trust_remote_code: bool = False
+
+
+class DatasetSpec(Strict):
+    """A text source: a shortcut name, a `datasets` hub id, `modelscope:` id or a local file."""
+
+    source: str = Field(min_length=1)
+    subset: str | None = None
+    split: str = "train"
+    text_field: str = "text"
+    format: Literal["text", "chat"] = "text"
+    max_documents: int | None = Field(default=None, gt=0)
+
+
+class CalibrationSpec(Strict):
+    dataset: DatasetSpec
+    num_samples: int = Field(default=128, gt=0, le=100_000)
+    seq_len: int = Field(default=512, ge=16, le=131_072)
+    strategy: Literal["random_windows", "concat_chunk", "per_document"] = "random_windows"
+
+
+def _scheme_from_preset(value: Any) -> Any:
+    if isinstance(value, str):
+        if value not in PRESETS:
+            raise ValueError(f"unknown preset {value!r}; presets: {', '.join(PRESETS)}")
+        return PRESETS[value]
+    return value
+
+
+class RtnStage(Strict):
+    """Round-to-nearest: the baseline every other algorithm must beat."""
+
+    weights: WeightScheme = Field(default_factory=lambda: PRESETS["W4A16"])
+    ignore: list[str] = Field(default_factory=list, description="fnmatch patterns of Linear names")
+
+    @field_validator("weights", mode="before")
+    @classmethod
+    def _preset(cls, value: Any) -> Any:
+        return _scheme_from_preset(value)
+
+
+class StageEntry(Strict):
+    """One stage, written as a single-key mapping: `- rtn: {...}`."""
+
+    rtn: RtnStage | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _exactly_one(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or len(data) != 1:
+            kinds = ", ".join(cls.model_fields)
+            raise ValueError(f"each stage is a mapping with exactly one key, one of: {kinds}")
+        (key, value), = data.items()
+        return {key: {} if value is None else value}
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in type(self).model_fields if getattr(self, k) is not None)
+
+    @property
+    def config(self) -> BaseModel:
+        return getattr(self, self.kind)
+
+
+class PerplexitySpec(Strict):
+    dataset: DatasetSpec
+    seq_len: int = Field(default=2048, ge=16, le=131_072)
+    max_windows: int | None = Field(default=None, gt=0)
+    baseline: bool = True
+
+
+class EvaluateSpec(Strict):
+    perplexity: PerplexitySpec | None = None
+
+
+class OutputSpec(Strict):
+    dir: str | None = Field(default=None, description="run directory; default runs/<name>")
+
+
+class Recipe(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=128)
+    seed: int = Field(ge=0)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    model: ModelSpec
+    calibration: CalibrationSpec | None = None
+    stages: list[StageEntry] = Field(min_length=1)
+    evaluate: EvaluateSpec = Field(default_factory=EvaluateSpec)
+    output: OutputSpec = Field(default_factory=OutputSpec)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output.dir if self.output.dir else f"runs/{self.name}")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Read, override and validate a recipe; raises `UserError` with a one-line message."""
+    path = Path(path)
+    raw = read_yaml(path)
+    for item in overrides or []:
+        apply_override(raw, item)
+    return validate_recipe(raw, origin=str(path))
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise UserError(f"{path}: recipe file not found")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise UserError(f"{path}: not valid YAML{where}: {problem}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not a UTF-8 text file") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: a recipe is a YAML mapping with keys name, seed, model, stages, ...")
+    return raw
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Apply `a.b.0.c=value` (value parsed as YAML) to the raw recipe mapping."""
+    key, sep, text = item.partition("=")
+    if not sep or not key:
+        raise UserError(f"--set {item!r}: expected key.path=value, e.g. calibration.num_samples=64")
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        value = text
+    parts = key.split(".")
+    node: Any = raw
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise UserError(f"--set {key}: {part!r} is not an index of a {len(node)}-item list")
+            part = int(part)
+        elif not isinstance(node, dict):
+            raise UserError(f"--set {key}: {'.'.join(parts[:i])} is a value, not a mapping")
+        if last:
+            node[part] = value
+        else:
+            if isinstance(node, dict) and not isinstance(node.get(part), (dict, list)):
+                node[part] = {}
+            node = node[part]
+
+
+def validate_recipe(raw: dict[str, Any], origin: str = "recipe") -> Recipe:
+    try:
+        return Recipe.model_validate(raw)
+    except ValidationError as exc:
+        raise UserError(f"{origin}: {describe_validation_error(exc)}") from None
+
+
+def yaml_path(loc: tuple[Any, ...]) -> str:
+    """`('stages', 0, 'rtn', 'bits')` → `stages[0].rtn.bits`."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(top level)"
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    loc = tuple(p for p in first["loc"] if not _is_union_tag(p))
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        allowed = _allowed_keys(loc[:-1])
+        msg = f"unknown key; allowed here: {', '.join(allowed)}" if allowed else "unknown key"
+    elif first["type"] == "missing":
+        msg = "required field is missing"
+    else:
+        msg = f"got {_short(first.get('input'))}: {msg}"
+    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+    return f"{yaml_path(loc)}: {msg}{more}"
+
+
+def _is_union_tag(part: Any) -> bool:
+    return isinstance(part, str) and (part.startswith("function-") or part in {"str", "int"})
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
+    """Walk the schema along `loc` to list the keys valid at that place."""
+    model: Any = Recipe
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        model = _model_of(field.annotation)
+    return list(getattr(model, "model_fields", {}))
+
+
+def _model_of(annotation: Any) -> Any:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
+

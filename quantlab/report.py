@@ -1,0 +1,69 @@
+"""The run report: JSON for machines, Markdown for people."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from quantlab.recipe import Recipe
+from quantlab.rundir import RunDir, write_text_atomic
+
+
+def scheme_summary(quant_config: dict[str, Any]) -> str:
+    schemes = sorted({
+        f"W{m['bits']}{'' if m['symmetric'] else ' asym'} "
+        f"{'per-channel' if m['group_size'] is None else 'g' + str(m['group_size'])}"
+        for m in quant_config["modules"].values()
+    })
+    return ", ".join(schemes) or "none"
+
+
+def write_report(
+    run: RunDir, recipe: Recipe, results: list[dict[str, Any]], quant_config: dict[str, Any],
+    json_path: str, md_path: str,
+) -> None:
+    float_ppl = next((r["perplexity"] for r in results if r["model"] == "float"), None)
+    for r in results:
+        r["delta_vs_float_pct"] = None if float_ppl is None else round(100 * (r["perplexity"] / float_ppl - 1), 3)
+    payload = {
+        "recipe": recipe.name,
+        "model": recipe.model.id,
+        "stages": [e.kind for e in recipe.stages],
+        "scheme": scheme_summary(quant_config),
+        "quantized_linears": len(quant_config["modules"]),
+        "quantize_seconds": quant_config.get("quantize_seconds"),
+        "perplexity": results,
+        "versions": run.manifest.get("versions", {}),
+    }
+    write_text_atomic(run.resolve(json_path), json.dumps(payload, indent=2) + "\n")
+    write_text_atomic(run.resolve(md_path), _markdown(payload))
+
+
+def _markdown(p: dict[str, Any]) -> str:
+    lines = [
+        f"# quantlab report — {p['recipe']}",
+        "",
+        f"- model: `{p['model']}`",
+        f"- stages: {' → '.join(p['stages'])}",
+        f"- scheme: {p['scheme']} ({p['quantized_linears']} Linears)",
+        f"- quantization time: {p['quantize_seconds']} s",
+        "",
+    ]
+    if p["perplexity"]:
+        first = p["perplexity"][0]
+        lines += [
+            f"## Perplexity — `{first['dataset']}`",
+            "",
+            f"Windows of {first['seq_len']} tokens, non-overlapping, joined with \"\\n\\n\": "
+            f"{first['windows']} of {first['windows_available']} windows, "
+            f"{first['tokens_scored']} tokens scored of {first['tokens_total']}.",
+            "",
+            "| model | perplexity | Δ vs float | windows | tokens scored |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for r in p["perplexity"]:
+            delta = "—" if r["delta_vs_float_pct"] is None else f"{r['delta_vs_float_pct']:+.2f}%"
+            lines.append(f"| {r['model']} | {r['perplexity']:.4f} | {delta} | {r['windows']} | {r['tokens_scored']} |")
+    versions = ", ".join(f"{k} {v}" for k, v in p["versions"].items())
+    lines += ["", f"_{versions}_", ""]
+    return "\n".join(lines)

@@ -1,0 +1,129 @@
+"""The run directory: every artifact of one recipe, and the manifest that makes runs resumable.
+
+A stage is done when the manifest records its content key and all its outputs exist; a
+killed run therefore resumes at the first stage that is not done, and changing one stage's
+parameters reruns only the stages whose keys depend on it. Files and directories are written
+under a temporary name and renamed when complete, so a reader never sees half an artifact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from quantlab.errors import UserError
+
+MANIFEST = "manifest.json"
+
+
+def content_key(*parts: Any) -> str:
+    """A stable hash of JSON-serialisable parts: the identity of a stage's inputs."""
+    blob = json.dumps(parts, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def atomic_path(target: Path) -> Iterator[Path]:
+    """Yield a temporary sibling path; on success it replaces `target` (file or directory)."""
+    tmp = target.with_name(f".{target.name}.partial")
+    _remove(tmp)
+    try:
+        yield tmp
+    except BaseException:
+        _remove(tmp)
+        raise
+    _remove(target)
+    os.replace(tmp, target)
+
+
+def write_text_atomic(target: Path, text: str) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(target) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+class RunDir:
+    def __init__(self, path: Path):
+        self.path = path
+        self.created_now = False
+        self.manifest: dict[str, Any] = {"stages": {}}
+        if (path / MANIFEST).is_file():
+            self.manifest = json.loads((path / MANIFEST).read_text())
+
+    @classmethod
+    def open(cls, path: Path) -> "RunDir":
+        if path.exists() and not path.is_dir():
+            raise UserError(f"output.dir: {str(path)!r} exists and is not a directory")
+        existed = path.exists()
+        path.mkdir(parents=True, exist_ok=True)
+        rd = cls(path)
+        rd.created_now = not existed
+        rd.manifest.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%S"))
+        rd.manifest["versions"] = _versions()
+        return rd
+
+    def resolve(self, rel: str) -> Path:
+        """A path inside the run directory; anything escaping it is refused."""
+        target = (self.path / rel).resolve()
+        if not target.is_relative_to(self.path.resolve()):
+            raise UserError(f"output path {rel!r} escapes the run directory {str(self.path)!r}")
+        return target
+
+    def is_done(self, stage: str, key: str) -> bool:
+        entry = self.manifest["stages"].get(stage)
+        return bool(entry) and entry["key"] == key and all(self.resolve(o).exists() for o in entry["outputs"])
+
+    def record(self, stage: str, key: str, outputs: list[str], seconds: float) -> None:
+        hashes = {o: file_sha256(self.resolve(o)) for o in outputs if self.resolve(o).is_file()}
+        self.manifest["stages"][stage] = {
+            "key": key,
+            "outputs": outputs,
+            "seconds": round(seconds, 3),
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "sha256": hashes,
+        }
+        self.save()
+
+    def forget(self, stage: str) -> None:
+        self.manifest["stages"].pop(stage, None)
+
+    def save(self) -> None:
+        write_text_atomic(self.path / MANIFEST, json.dumps(self.manifest, indent=2) + "\n")
+
+    @property
+    def any_done(self) -> bool:
+        return bool(self.manifest["stages"])
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("quantlab", "torch", "transformers", "safetensors", "datasets", "gguf"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
