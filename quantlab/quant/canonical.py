@@ -34,12 +34,13 @@ def save_canonical(
     extra: dict[str, Any] | None = None,
 ) -> None:
     tensors: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
+    seen: set[tuple[int, tuple[int, ...]]] = set()
     for name, tensor in model.state_dict().items():
         module = name.rsplit(".", 1)[0]
-        if (module in quantized and name.endswith(".weight")) or id(tensor) in seen:
+        storage = (tensor.data_ptr(), tuple(tensor.shape))
+        if (module in quantized and name.endswith(".weight")) or storage in seen:
             continue  # quantized weights are stored as codes; tied weights once
-        seen.add(id(tensor))
+        seen.add(storage)
         tensors[name] = tensor.detach().cpu().contiguous()
     modules = {}
     for name, qw in quantized.items():

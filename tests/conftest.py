@@ -1,0 +1,65 @@
+"""Shared fixtures: tiny random models of each family, a tiny tokenizer, the shared data dir."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+WIKI_TRAIN = SHARED_DATA / "wikitext-2-raw-v1" / "wiki.train.first1MB.raw"
+WIKI_TEST = SHARED_DATA / "wikitext-2-raw-v1" / "wiki.test.raw"
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def tiny_config(model_type: str = "llama", **overrides):
+    """A 2-layer config with GQA (4 heads, 2 KV heads) small enough for unit tests."""
+    from transformers import AutoConfig
+
+    base = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=512, max_position_embeddings=256,
+                tie_word_embeddings=model_type == "llama")
+    base.update(overrides)
+    return AutoConfig.for_model(model_type, **base)
+
+
+def tiny_model(model_type: str = "llama", seed: int = 0, **overrides) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides), dtype=torch.float32)
+    return model.eval()
+
+
+def tiny_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE trained on a slice of WikiText, wrapped as a transformers tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = WIKI_TRAIN.read_text(encoding="utf-8")[:200_000].splitlines()
+    tok.train_from_iterator(text, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
+    """A saved tiny llama checkpoint with a tokenizer, usable as `model.id` in recipes."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model("llama").save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
