@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from quantlab.models import sources
+from quantlab.progress import step
 from quantlab.recipe import Recipe
 from quantlab.rundir import RunDir
 
@@ -33,7 +34,8 @@ class RunContext:
 
     @cached_property
     def resolved(self) -> sources.ResolvedModel:
-        return sources.resolve(self.recipe.model)
+        with step(f"resolving model {self.recipe.model.id}"):
+            return sources.resolve(self.recipe.model)
 
     @cached_property
     def tokenizer(self) -> Any:
@@ -42,7 +44,8 @@ class RunContext:
     def float_model(self) -> torch.nn.Module:
         """The unmodified float model; shared until a stage takes it to modify (`take_float_model`)."""
         if "float" not in self._cache:
-            self._cache["float"] = sources.load_model(self.recipe.model, self.resolved)
+            with step(f"loading {self.recipe.model.id}"):
+                self._cache["float"] = sources.load_model(self.recipe.model, self.resolved)
         return self._cache["float"]
 
     def take_float_model(self) -> torch.nn.Module:

@@ -25,6 +25,7 @@ def run_recipe(recipe: Recipe, run_dir: Path | None = None) -> RunDir:
     try:
         write_text_atomic(run.path / "recipe.resolved.yaml", dump_recipe(recipe))
         ctx = RunContext(recipe, run, device)
+        run.manifest["model"] = {"id": recipe.model.id, **ctx.resolved.describe()}
         for stage in plan:
             if run.is_done(stage.name, stage.key):
                 console.print(f"[dim]skip {stage.name}: done (key {stage.key})[/dim]")

@@ -30,7 +30,7 @@ class WeightScheme(BaseModel):
     @classmethod
     def _group_size_positive(cls, v: int | None) -> int | None:
         if v is not None and (v < 8 or v & (v - 1)):
-            raise ValueError(f"group_size must be null (per-channel) or a power of two >= 8, got {v}")
+            raise ValueError("group_size must be null (per-channel) or a power of two >= 8")
         return v
 
     @property
