@@ -1,5 +1,36 @@
 """GEMM kernels for the runner (installed as `quantlab.kernels`).
 
-Triton kernels and their torch reference paths land here with the runner work; the package
-exists now so the layout is fixed and imports resolve.
+Packed layouts and repacking from quantlab's canonical form (`layout`), torch reference
+paths (`reference`), Triton kernels (`triton_wna16`, `triton_scaled`, imported lazily: this
+package imports without triton or a GPU) and the dispatching entry points (`ops`).
 """
+
+from quantlab.kernels.layout import (
+    BLOCK_K,
+    PackedFP8,
+    PackedW8A8,
+    PackedWNA16,
+    dequantize_wna16,
+    pack_fp8,
+    pack_w8a8,
+    pack_wna16,
+    quantize_fp8_weight,
+    quantize_int8_weight,
+)
+from quantlab.kernels.ops import (
+    fp8_linear,
+    fp8_mm,
+    triton_installed,
+    use_triton,
+    w8a8_linear,
+    w8a8_mm,
+    wna16_linear,
+)
+from quantlab.kernels.reference import quantize_act_fp8, quantize_act_int8
+
+__all__ = [
+    "BLOCK_K", "PackedFP8", "PackedW8A8", "PackedWNA16", "dequantize_wna16", "pack_fp8",
+    "pack_w8a8", "pack_wna16", "quantize_fp8_weight", "quantize_int8_weight", "fp8_linear",
+    "fp8_mm", "triton_installed", "use_triton", "w8a8_linear", "w8a8_mm", "wna16_linear",
+    "quantize_act_fp8", "quantize_act_int8",
+]

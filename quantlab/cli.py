@@ -87,6 +87,69 @@ def validate(recipe: Annotated[str, typer.Argument(help="recipe YAML file or shi
     typer.echo(f"ok: {loaded.name} (model {loaded.model.id}; {stages}; run dir {loaded.run_dir})")
 
 
+def parse_size(text: str) -> int:
+    """`500MB`, `2GB`, `1.5GiB` or a byte count → bytes."""
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+    t = text.strip().lower()
+    num = t.rstrip("kmgib")
+    try:
+        value = float(num) * units[t[len(num):]]
+    except (ValueError, KeyError):
+        raise UserError(f"--max-shard-size {text!r}: expected a size such as 500MB, 2GB or 1GiB") from None
+    if value < 1:
+        raise UserError(f"--max-shard-size {text!r}: must be positive")
+    return int(value)
+
+
+@app.command("export")
+@user_errors
+def export_cmd(run_dir: Annotated[Path, typer.Argument(help="run directory (or its quantized/ directory)")],
+               format_: Annotated[list[str], typer.Option("--format", "-f", help="export format; repeatable")],
+               out: Annotated[Optional[Path], typer.Option(help="output root; default RUN_DIR/export")] = None,
+               max_shard_size: Annotated[Optional[str], typer.Option(help="safetensors shard limit, e.g. 2GB")] = None,
+               ) -> None:
+    """Export a finished run's quantized model: each format to OUT/<format>/, validated."""
+    from quantlab.export.api import export
+    from quantlab.export.registry import FORMATS
+
+    canonical = run_dir if (run_dir / "quant_config.json").is_file() else run_dir / "quantized"
+    if not (canonical / "quant_config.json").is_file():
+        raise UserError(f"{run_dir}: no quantized model (expected {run_dir}/quantized/quant_config.json); "
+                        "run the recipe first")
+    unknown = [f for f in format_ if f not in FORMATS]
+    if unknown:
+        raise UserError(f"--format {unknown[0]!r}: unknown; formats: {', '.join(FORMATS)}")
+    root = out or (canonical.parent / "export")
+    shard = parse_size(max_shard_size) if max_shard_size else None
+    _quiet_libraries()
+    for fmt in dict.fromkeys(format_):
+        report = export(canonical, root / fmt, fmt, max_shard_bytes=shard)
+        typer.echo(f"ok: {fmt} → {root / fmt} ({len(report.checks)} checks passed)")
+
+
+@app.command("inspect")
+@user_errors
+def inspect_cmd(path: Annotated[Path, typer.Argument(help="an export directory, a .gguf file or a canonical dir")]
+                ) -> None:
+    """Detect an export's format, print what it holds and every rule checked; exit 1 if broken."""
+    from quantlab.export.api import inspect
+
+    report = inspect(path)
+    typer.echo(f"{report.path}: {report.format}")
+    for key, value in report.facts.items():
+        if key != "skipped":
+            typer.echo(f"  {key}: {value}")
+    typer.echo("rules:")
+    for rule, (passed, failed) in report.rule_counts().items():
+        typer.echo(f"  {'FAIL' if failed else 'ok  '} {rule}: {passed} passed" + (f", {failed} failed" if failed else ""))
+    for why in report.facts.get("skipped", []):
+        typer.echo(f"  skip {why}")
+    for check in report.failures:
+        typer.echo(f"  FAIL {check.line()}", err=True)
+    if not report.ok:
+        raise typer.Exit(code=1)
+
+
 @app.command("recipes")
 def list_recipes() -> None:
     """List the recipes that ship with quantlab."""

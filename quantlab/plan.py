@@ -51,6 +51,10 @@ def build_plan(recipe: Recipe) -> list[Stage]:
     stage_params = [e.model_dump(mode="json", exclude_none=True) for e in recipe.stages]
     quant_key = content_key("quantize", model, calib_key, stage_params, recipe.seed)
     plan.append(Stage("quantize", quant_key, (stages.QUANTIZED,), stages.quantize))
+    if recipe.export:
+        formats = list(dict.fromkeys(recipe.export))
+        plan.append(Stage("export", content_key("export", quant_key, formats),
+                          tuple(stages.export_dir(f) for f in formats), stages.export))
     if ppl:
         plan.append(Stage("evaluate_quantized", content_key("ppl", quant_key, ppl_params), (stages.PPL_QUANT,),
                           stages.evaluate_quantized))

@@ -22,7 +22,8 @@ from pydantic import (
 )
 
 from quantlab.errors import UserError
-from quantlab.quant.scheme import PRESETS, WeightScheme
+from quantlab.export.registry import ExportFormat
+from quantlab.quant.scheme import PRESETS, ActivationScheme, KVCacheScheme, WeightScheme
 
 
 class Strict(BaseModel):
@@ -65,8 +66,8 @@ def _scheme_from_preset(value: Any) -> Any:
     return value
 
 
-class RtnStage(Strict):
-    """Round-to-nearest: the baseline every other algorithm must beat."""
+class WeightStage(Strict):
+    """Fields every weight-quantizing stage shares: the scheme (or a preset name) and ignores."""
 
     weights: WeightScheme = Field(default_factory=lambda: PRESETS["W4A16"])
     ignore: list[str] = Field(default_factory=list, description="fnmatch patterns of Linear names")
@@ -77,10 +78,80 @@ class RtnStage(Strict):
         return _scheme_from_preset(value)
 
 
+class RtnStage(WeightStage):
+    """Round-to-nearest: the baseline every other algorithm must beat."""
+
+
+class GptqStage(WeightStage):
+    """GPTQ: Hessian-guided column-by-column rounding with error compensation (needs calibration)."""
+
+    damp_percent: float = Field(default=0.01, gt=0, le=1, description="fraction of mean diag(H) added to diag(H)")
+    block_size: int = Field(default=128, ge=1, le=8192, description="columns per lazy-update block")
+    act_order: bool = Field(default=False, description="quantize columns by descending diag(H) (desc_act)")
+    static_groups: bool = Field(default=False, description="group qparams from the original weights; g_idx = i // G")
+    true_sequential: bool = Field(default=True, description="quantize q,k,v → o → gate,up → down, re-observing inputs")
+
+
+class AwqStage(WeightStage):
+    """AWQ: activation-aware input-channel scales folded into the preceding op, then per-group
+    clipping. Encodes with RTN; a following rtn/gptq stage re-encodes the rescaled weights."""
+
+    grid: int = Field(default=20, ge=1, le=1000, description="scale exponents α = i/grid, i < grid")
+    duo_scaling: bool = Field(default=True, description="s = x̄^α / w̄^(1−α) instead of x̄^α")
+    clip: bool = Field(default=True, description="search a per-group clipping range after scaling")
+    clip_grid: int = Field(default=20, ge=1, le=1000, description="shrink ratios from 1 to 1 − max_shrink")
+    max_shrink: float = Field(default=0.5, gt=0, lt=1)
+    clip_skip: list[str] = Field(default_factory=lambda: ["self_attn.q_proj", "self_attn.k_proj"],
+                                 description="fnmatch patterns of layer-relative Linear names left unclipped")
+    max_tokens: int = Field(default=8192, gt=0, description="calibration tokens observed per layer")
+
+
+class SmoothQuantStage(Strict):
+    """SmoothQuant: migrate activation outliers into the weights with per-input-channel scales
+    `s = max|X|^α / max|W|^(1−α)` folded into the preceding norm / Linear. Changes float
+    weights only (no codes): put it before the weight and act_ranges stages."""
+
+    alpha: float = Field(default=0.5, ge=0, le=1, description="migration strength when not searched")
+    search: bool = Field(default=False, description="pick α per layer and group by W8A8 output error")
+    grid: int = Field(default=20, ge=1, le=1000, description="searched α = i/grid, i = 0..grid (plus no smoothing)")
+    weights: WeightScheme = Field(default_factory=lambda: PRESETS["W8A16"],
+                                  description="weight scheme the search fake-quantizes with")
+    activations: ActivationScheme | None = Field(
+        default=None, description="activation scheme the search fake-quantizes with; null = the act_ranges stage's")
+    max_tokens: int = Field(default=4096, gt=0, description="calibration tokens per layer used by the search")
+    skip: list[str] = Field(default_factory=list,
+                            description="fnmatch patterns of producers (layer-relative: mlp.up_proj) not to smooth")
+
+    @field_validator("weights", mode="before")
+    @classmethod
+    def _preset(cls, value: Any) -> Any:
+        return _scheme_from_preset(value)
+
+
+class ActRangesStage(Strict):
+    """Calibrate activation and KV-cache ranges (A8W8 / FP8 / C8) on the layer as quantized so
+    far; stores absmax tables in the canonical form for evaluation and export."""
+
+    activations: ActivationScheme | None = Field(default_factory=ActivationScheme,
+                                                 description="null = keep Linear inputs in float")
+    kv_cache: KVCacheScheme | None = Field(default=None, description="null = float KV cache")
+    ignore: list[str] = Field(default_factory=list, description="fnmatch patterns of Linears whose inputs stay float")
+
+    @model_validator(mode="after")
+    def _something(self) -> "ActRangesStage":
+        if self.activations is None and self.kv_cache is None:
+            raise ValueError("act_ranges needs activations or kv_cache (or both)")
+        return self
+
+
 class StageEntry(Strict):
     """One stage, written as a single-key mapping: `- rtn: {...}`."""
 
     rtn: RtnStage | None = None
+    gptq: GptqStage | None = None
+    awq: AwqStage | None = None
+    smoothquant: SmoothQuantStage | None = None
+    act_ranges: ActRangesStage | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -98,6 +169,11 @@ class StageEntry(Strict):
     @property
     def config(self) -> BaseModel:
         return getattr(self, self.kind)
+
+    def dump(self) -> dict[str, Any]:
+        """`{kind: params}` as a recipe writes it. Nulls are kept: `group_size: null` means
+        per-channel, and dropping it would read back as the default 128."""
+        return {self.kind: self.config.model_dump(mode="json")}
 
 
 class PerplexitySpec(Strict):
@@ -123,11 +199,41 @@ class Recipe(Strict):
     calibration: CalibrationSpec | None = None
     stages: list[StageEntry] = Field(min_length=1)
     evaluate: EvaluateSpec = Field(default_factory=EvaluateSpec)
+    export: list[ExportFormat] = Field(default_factory=list, description="formats written to <run dir>/export/")
     output: OutputSpec = Field(default_factory=OutputSpec)
+
+    @model_validator(mode="after")
+    def _activation_stages(self) -> "Recipe":
+        check_activation_stages(self)
+        return self
 
     @property
     def run_dir(self) -> Path:
         return Path(self.output.dir if self.output.dir else f"runs/{self.name}")
+
+
+WEIGHT_KINDS = ("rtn", "gptq", "awq")
+
+
+def check_activation_stages(recipe: Recipe) -> None:
+    """Cross-stage rules for smoothquant / act_ranges / FP8 weights; fills the search's
+    activation scheme from the act_ranges stage (per-token dynamic int8 without one)."""
+    kinds = [e.kind for e in recipe.stages]
+    for i, entry in enumerate(recipe.stages):
+        w = getattr(entry.config, "weights", None)
+        if entry.kind in ("gptq", "awq") and w is not None and (w.type == "float" or w.per_tensor):
+            raise ValueError(f"stages[{i}].{entry.kind}.weights: FP8 and per-tensor weights are encoded by "
+                             "rtn only; use `- rtn: {weights: FP8}`")
+        if entry.kind in ("smoothquant", "act_ranges", "gptq", "awq") and recipe.calibration is None:
+            raise ValueError(f"stages[{i}].{entry.kind}: needs calibration data (add a calibration section)")
+        if entry.kind == "smoothquant" and any(k in WEIGHT_KINDS + ("act_ranges",) for k in kinds[:i]):
+            raise ValueError(f"stages[{i}].smoothquant: must come before every weight and act_ranges stage "
+                             "(it rescales the float weights those stages encode)")
+    ranges = next((e.act_ranges for e in recipe.stages if e.act_ranges is not None), None)
+    for entry in recipe.stages:
+        if entry.smoothquant is not None and entry.smoothquant.activations is None:
+            acts = ranges.activations if ranges is not None and ranges.activations is not None else None
+            entry.smoothquant.activations = acts or ActivationScheme()
 
 
 # --------------------------------------------------------------------------- loading
@@ -214,6 +320,8 @@ def describe_validation_error(exc: ValidationError) -> str:
         msg = f"unknown key; allowed here: {', '.join(allowed)}" if allowed else "unknown key"
     elif first["type"] == "missing":
         msg = "required field is missing"
+    elif not loc and first["type"] == "value_error":
+        return msg  # a cross-field rule (Recipe validators) names its own paths
     else:
         msg = f"got {_short(first.get('input'))}: {msg}"
     more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
@@ -253,5 +361,8 @@ def _model_of(annotation: Any) -> Any:
 
 
 def dump_recipe(recipe: Recipe) -> str:
-    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
+    """The resolved recipe as YAML that `load_recipe` accepts again (one key per stage)."""
+    raw = recipe.model_dump(mode="json")
+    raw["stages"] = [entry.dump() for entry in recipe.stages]
+    return yaml.safe_dump(raw, sort_keys=False)
 

@@ -10,12 +10,21 @@ from quantlab.rundir import RunDir, write_text_atomic
 
 
 def scheme_summary(quant_config: dict[str, Any]) -> str:
-    schemes = sorted({
-        f"W{m['bits']}{'' if m['symmetric'] else ' asym'} "
-        f"{'per-channel' if m['group_size'] is None else 'g' + str(m['group_size'])}"
-        for m in quant_config["modules"].values()
-    })
+    schemes = sorted({_weight_summary(m) for m in quant_config["modules"].values()})
+    acts, kv = quant_config.get("activations"), quant_config.get("kv_cache")
+    if acts:
+        how = "dynamic" if acts["dynamic"] else f"static ({acts['observer']})"
+        schemes.append(f"A8 {'int8' if acts['type'] == 'int' else 'FP8'} per-{acts['granularity']} {how}")
+    if kv:
+        schemes.append(f"KV {'int8' if kv['type'] == 'int' else 'FP8'} per-{kv['granularity']}")
     return ", ".join(schemes) or "none"
+
+
+def _weight_summary(m: dict[str, Any]) -> str:
+    if m.get("per_tensor") or m.get("type") == "float":
+        return f"{'FP8' if m.get('type') == 'float' else 'W' + str(m['bits'])} per-{'tensor' if m.get('per_tensor') else 'channel'}"
+    return (f"W{m['bits']}{'' if m['symmetric'] else ' asym'} "
+            f"{'per-channel' if m['group_size'] is None else 'g' + str(m['group_size'])}")
 
 
 def write_report(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,7 +18,10 @@ from quantlab.engine.sequential import run_sequential
 from quantlab.eval.perplexity import perplexity
 from quantlab.models.arch import arch_spec_for
 from quantlab.progress import console, step
+from quantlab.algorithms.act_ranges import ActRanges, canonical_entries
+from quantlab.eval.fake_quant import apply_from_canonical, describe
 from quantlab.quant.canonical import load_fake_quant_model, save_canonical
+from quantlab.quant.scale_tables import scale_tables, write_scale_tables
 from quantlab.report import write_report
 from quantlab.rundir import atomic_path, write_text_atomic
 
@@ -59,13 +63,32 @@ def quantize(ctx: RunContext) -> None:
     algorithms = [build_algorithm(entry) for entry in ctx.recipe.stages]
     ids = calibration_ids(ctx)
     start = time.perf_counter()
+    scales: dict[str, torch.Tensor] = {}
     with step(f"quantize ({' → '.join(e.kind for e in ctx.recipe.stages)})", len(spec.decoder_layers(model))) as update:
-        quantized = run_sequential(model, spec, ids, algorithms, ctx.device, on_layer=update)
+        quantized = run_sequential(model, spec, ids, algorithms, ctx.device, on_layer=update, scales=scales)
     seconds = time.perf_counter() - start
-    extra = {"stages": [e.model_dump(mode="json", exclude_none=True) for e in ctx.recipe.stages],
+    extra = {"stages": [e.dump() for e in ctx.recipe.stages],
              "quantize_seconds": round(seconds, 2), "source_model": ctx.recipe.model.id}
-    save_canonical(ctx.run.resolve(QUANTIZED), model, quantized, ctx.tokenizer, extra)
+    ranges = next((a for a in reversed(algorithms) if isinstance(a, ActRanges)), None)
+    extra.update(canonical_entries(ranges, scales))
+    extra.update({f"{type(a).__name__.lower()}_summary": a.summary() for a in algorithms if hasattr(a, "summary")})
+    target = ctx.run.resolve(QUANTIZED)
+    save_canonical(target, model, quantized, ctx.tokenizer, extra, scales=scales)
     console.print(f"quantize: {len(quantized)} Linears in {seconds:.1f} s")
+    if ranges is not None:
+        _write_scale_tables(target, model, extra, quantized, scales)
+
+
+def _write_scale_tables(target: Path, model: torch.nn.Module, quant_config: dict[str, Any],
+                        quantized: dict[str, Any], scales: dict[str, torch.Tensor]) -> None:
+    """PaddleNLP-style absmax tables next to the canonical form (A8W8 / FP8 / C8 runs)."""
+    try:
+        tables = scale_tables(model.config.to_dict(), quant_config, quantized, scales)
+    except ValueError as exc:
+        console.print(f"scale tables: not written ({exc})")
+        return
+    write_scale_tables(target, tables)
+    console.print(f"scale tables: {', '.join(tables)} in {target}")
 
 
 def eval_tokens(ctx: RunContext) -> torch.Tensor:
@@ -93,8 +116,27 @@ def evaluate_float(ctx: RunContext) -> None:
 
 
 def evaluate_quantized(ctx: RunContext) -> None:
-    model = load_fake_quant_model(ctx.run.resolve(QUANTIZED), ctx.dtype)
+    source = ctx.run.resolve(QUANTIZED)
+    model = load_fake_quant_model(source, ctx.dtype)
+    handles = apply_from_canonical(model, source)  # activations / KV as deployed, if quantized
+    if handles.linears or handles.attentions:
+        console.print(f"fake quant: {describe(json.loads((source / 'quant_config.json').read_text()))} "
+                      f"on {handles.linears} Linears, {len(handles.attentions)} attention modules")
     _evaluate(ctx, model, "quantized", PPL_QUANT)
+
+
+def export_dir(fmt: str) -> str:
+    return f"export/{fmt}"
+
+
+def export(ctx: RunContext) -> None:
+    """Each format goes to `export/<format>/`, written atomically and validated before it lands."""
+    from quantlab.export.api import export as export_one
+
+    for fmt in dict.fromkeys(ctx.recipe.export):
+        with step(f"export ({fmt})"):
+            result = export_one(ctx.run.resolve(QUANTIZED), ctx.run.resolve(export_dir(fmt)), fmt)
+        console.print(f"export: {fmt} → {export_dir(fmt)} ({len(result.checks)} checks passed)")
 
 
 def report(ctx: RunContext) -> None:

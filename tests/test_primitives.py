@@ -56,11 +56,14 @@ def test_round_trip_error_bound(scheme: WeightScheme, out_f: int, in_f: int, see
 
     s, z = per_element_qparams(qw)
     position = w / s + z  # where each weight falls on its group's integer grid
-    inside = (position >= -0.5) & (position <= scheme.qmax + 0.5)
+    slack = 1e-4  # w / s of a range end lands on ±0.5 up to float rounding
+    inside = (position >= -0.5 - slack) & (position <= scheme.qmax + 0.5 + slack)
     # min/max (or absmax) ranges put every weight of its own group inside the grid
     assert inside.all()
     err = (w - qw.dequantize()).abs()
-    assert (err[inside] <= s[inside] / 2 * (1 + 1e-5) + 1e-12).all(), float((err / s).max())
+    # float32 rounding of `(q − z)·s` near the range ends costs a few ulps of |w|
+    eps = 4 * torch.finfo(torch.float32).eps * (w.abs() + s)
+    assert (err[inside] <= (s / 2 + eps)[inside]).all(), float((err / s).max())
 
 
 @FAST

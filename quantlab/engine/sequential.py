@@ -2,9 +2,9 @@
 
 Capture the inputs of decoder layer 0 for every calibration batch, then for each layer:
 onload it to the compute device, let each algorithm (in recipe order) observe and quantize
-it, write the fake-quantized weights back so the layer computes what it will compute when
-deployed, recompute the layer's outputs as the next layer's inputs, and offload it. Peak
-memory is one layer plus the calibration activations.
+it, then write the fake-quantized weights (each Linear's last codes) back so the layer
+computes what it will compute when deployed, recompute the layer's outputs as the next
+layer's inputs, and offload it. Peak memory is one layer plus the calibration activations.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ class LayerContext:
     batches: list[Batch]
     device: torch.device
     quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
+    # Calibrated ranges (activation / KV absmax) keyed by layer-relative name, e.g.
+    # `self_attn.q_proj.input_absmax`; the engine prefixes them with the layer's name.
+    scales: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def linear(self, name: str) -> nn.Linear:
         return self.layer.get_submodule(name)
@@ -130,8 +133,10 @@ def run_sequential(
     device: torch.device,
     batch_size: int = 8,
     on_layer: Callable[[int, int], None] | None = None,
+    scales: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, QuantizedWeight]:
-    """Quantize every decoder layer in order; returns canonical codes keyed by full Linear name."""
+    """Quantize every decoder layer in order; returns canonical codes keyed by full Linear name.
+    Ranges the algorithms put in `ctx.scales` are added to `scales` (if given) under full names."""
     batches = capture_layer0_inputs(model, spec, input_ids, batch_size, device)
     layers = spec.decoder_layers(model)
     quantized: dict[str, QuantizedWeight] = {}
@@ -140,13 +145,17 @@ def run_sequential(
         batches = [Batch(b.hidden.to(device), _to(b.kwargs, device)) for b in batches]
         ctx = LayerContext(index, f"{spec.layers}.{index}", layer, spec, batches, device)
         for algorithm in algorithms:
-            for name, qw in algorithm.apply(ctx).items():
-                ctx.linear(name).weight.data.copy_(qw.dequantize().to(ctx.linear(name).weight.dtype))
-                ctx.quantized[name] = qw
+            ctx.quantized.update(algorithm.apply(ctx))
+        # Write the codes back only once every stage ran (a later stage's codes win): a stage
+        # after AWQ (rtn, gptq) must re-encode AWQ's rescaled float weights, not its rounding.
+        for name, qw in ctx.quantized.items():
+            ctx.linear(name).weight.data.copy_(qw.dequantize().to(ctx.linear(name).weight.dtype))
         outputs = ctx.forward()
         batches = [Batch(out, b.kwargs) for out, b in zip(outputs, batches)]
         layer.to("cpu")
         quantized.update({f"{ctx.prefix}.{name}": _cpu(qw) for name, qw in ctx.quantized.items()})
+        if scales is not None:
+            scales.update({f"{ctx.prefix}.{name}": t.detach().cpu() for name, t in ctx.scales.items()})
         if on_layer:
             on_layer(index + 1, len(layers))
     return quantized

@@ -6,7 +6,23 @@ A directory holding
     `N.weight_zero_point` (uint8 `[out, groups]`), `N.g_idx` (int32 `[in]`); every other
     parameter of the model in float, after any folding the algorithms did (AWQ scales in
     norms, biases);
-  * `quant_config.json` — format version and the scheme and shape of every quantized Linear;
+    FP8 Linears (`"type": "float"` in their scheme) store `N.weight` (float8_e4m3fn `[out,
+    in]`, `w ≈ weight · scale`) and `N.weight_scale` (fp32 `[out, 1]` per channel, `[1]` per
+    tensor) instead: no packing, no zero point, no g_idx;
+  * `quant_config.json` — format version and the scheme and shape of every quantized Linear
+    (`modules`), plus, when the recipe quantizes activations or the KV cache:
+      - `"activations"`: the `ActivationScheme` fields (`type` int|float, `dynamic`,
+        `granularity` token|tensor, `observer`, `percentile`) and `"modules"`: the Linears whose
+        inputs are quantized;
+      - `"kv_cache"`: the `KVCacheScheme` fields (`type`, `granularity` head|tensor) and
+        `"modules"`: the attention modules (`model.layers.N.self_attn`);
+  * `scales.safetensors` — the calibrated ranges, all **absmax** (fp32; scale = absmax/127
+    for int8, absmax/448 for FP8):
+      - `N.input_absmax` (shape `[]`): per-tensor input range of Linear `N` (the observer's
+        choice: plain absmax or a clipped threshold); written for every module listed under
+        `activations`, dynamic schemes included (static-scale exporters need it);
+      - `A.k_absmax`, `A.v_absmax` (`[num_key_value_heads]`): per-KV-head range of K (after
+        RoPE) and V of attention module `A`; per-tensor schemes use their max;
   * the model's `config.json`, generation config and tokenizer files, so the directory is
     self-contained.
 """
@@ -27,12 +43,23 @@ from quantlab.rundir import atomic_path
 
 FORMAT = "quantlab.canonical/1"
 QUANT_FIELDS = ("weight_packed", "weight_scale", "weight_zero_point", "g_idx")
+SCALES_FILE = "scales.safetensors"
+
+
+def input_absmax_key(linear: str) -> str:
+    return f"{linear}.input_absmax"
+
+
+def kv_absmax_keys(attention: str) -> tuple[str, str]:
+    return f"{attention}.k_absmax", f"{attention}.v_absmax"
 
 
 def save_canonical(
     target: Path, model: torch.nn.Module, quantized: dict[str, QuantizedWeight], tokenizer: Any,
-    extra: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None, scales: dict[str, torch.Tensor] | None = None,
 ) -> None:
+    """Write the canonical directory; `scales` (named as in the module docstring) go to
+    `scales.safetensors`, their schemes belong in `extra` (`activations`, `kv_cache`)."""
     tensors: dict[str, torch.Tensor] = {}
     seen: set[tuple[int, tuple[int, ...]]] = set()
     for name, tensor in model.state_dict().items():
@@ -44,10 +71,15 @@ def save_canonical(
         tensors[name] = tensor.detach().cpu().contiguous()
     modules = {}
     for name, qw in quantized.items():
-        tensors[f"{name}.weight_packed"] = pack(qw.codes, qw.scheme.bits)
-        tensors[f"{name}.weight_scale"] = qw.scales.float().contiguous()
-        tensors[f"{name}.weight_zero_point"] = qw.zeros.to(torch.uint8).contiguous()
-        tensors[f"{name}.g_idx"] = qw.g_idx.to(torch.int32).contiguous()
+        if qw.scheme.type == "float":
+            tensors[f"{name}.weight"] = qw.codes.to(torch.float8_e4m3fn).contiguous()
+            scale = qw.scales.float()
+            tensors[f"{name}.weight_scale"] = (scale[:1, 0] if qw.scheme.per_tensor else scale).contiguous()
+        else:
+            tensors[f"{name}.weight_packed"] = pack(qw.codes, qw.scheme.bits)
+            tensors[f"{name}.weight_scale"] = qw.scales.float().contiguous()
+            tensors[f"{name}.weight_zero_point"] = qw.zeros.to(torch.uint8).contiguous()
+            tensors[f"{name}.g_idx"] = qw.g_idx.to(torch.int32).contiguous()
         modules[name] = {"shape": list(qw.codes.shape), **qw.scheme.model_dump()}
     config = {"format": FORMAT, "modules": modules, **(extra or {})}
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -55,6 +87,9 @@ def save_canonical(
         tmp.mkdir()
         save_file(tensors, tmp / "model.safetensors", metadata={"format": FORMAT})
         (tmp / "quant_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if scales:
+            save_file({k: v.detach().float().cpu().contiguous() for k, v in scales.items()},
+                      tmp / SCALES_FILE, metadata={"format": FORMAT})
         model.config.save_pretrained(tmp)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
@@ -69,8 +104,12 @@ def load_canonical(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, Qua
     tensors = load_file(source / "model.safetensors")
     quantized = {}
     for name, info in config["modules"].items():
-        scheme = WeightScheme(bits=info["bits"], symmetric=info["symmetric"], group_size=info["group_size"])
+        scheme = WeightScheme(bits=info["bits"], symmetric=info["symmetric"], group_size=info["group_size"],
+                              type=info.get("type", "int"), per_tensor=info.get("per_tensor", False))
         out_f, in_f = info["shape"]
+        if scheme.type == "float":
+            quantized[name] = _fp8_weight(tensors.pop(f"{name}.weight"), tensors.pop(f"{name}.weight_scale"), scheme)
+            continue
         quantized[name] = QuantizedWeight(
             codes=unpack(tensors.pop(f"{name}.weight_packed"), scheme.bits, in_f),
             scales=tensors.pop(f"{name}.weight_scale"),
@@ -79,6 +118,22 @@ def load_canonical(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, Qua
             scheme=scheme,
         )
     return tensors, quantized
+
+
+def _fp8_weight(codes: torch.Tensor, scale: torch.Tensor, scheme: WeightScheme) -> QuantizedWeight:
+    out_f, in_f = codes.shape
+    return QuantizedWeight(codes, scale.float().reshape(-1, 1).expand(out_f, 1).contiguous(),
+                           torch.zeros(out_f, 1, dtype=torch.uint8), torch.zeros(in_f, dtype=torch.int32), scheme)
+
+
+def load_quant_config(source: Path) -> dict[str, Any]:
+    return json.loads((source / "quant_config.json").read_text())
+
+
+def load_scales(source: Path) -> dict[str, torch.Tensor]:
+    """The calibrated activation / KV ranges (empty when the run had none)."""
+    path = source / SCALES_FILE
+    return load_file(path) if path.is_file() else {}
 
 
 def load_fake_quant_model(source: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

@@ -4,6 +4,10 @@ Small composable functions on tensors (torchao style): compute qparams, quantize
 fake-quantize. Codes are always unsigned `0..2^b−1` with an integer zero point, so one dequant
 rule `(q − z)·s` covers symmetric (z = 2^(b−1)) and asymmetric schemes; exporters translate.
 
+FP8 weights (`scheme.type == "float"`) keep the same container: codes are float8_e4m3fn
+`[out, in]`, zeros are 0 and the one group spans the row, so `(q − z)·s` still dequantizes.
+Per-tensor schemes (int or FP8) repeat the single scale on every row (`[out, 1]`).
+
 Group tails: when the group size does not divide the input dim, the last group is shorter.
 Per-group statistics are computed on a view padded by repeating the row's last column, which
 leaves min, max and absmax of the short group unchanged.
@@ -23,7 +27,7 @@ from quantlab.quant.scheme import WeightScheme
 class QuantizedWeight:
     """The canonical quantized form of one Linear weight `[out, in]`."""
 
-    codes: torch.Tensor  # uint8 [out, in], values 0..2^bits-1
+    codes: torch.Tensor  # uint8 [out, in], values 0..2^bits-1 (float8_e4m3fn for FP8 schemes)
     scales: torch.Tensor  # float32 [out, n_groups]
     zeros: torch.Tensor  # uint8 [out, n_groups]
     g_idx: torch.Tensor  # int32 [in], group of each input column
@@ -106,8 +110,25 @@ def quantize_column(
 def quantize_weight(w: torch.Tensor, scheme: WeightScheme) -> QuantizedWeight:
     """Round-to-nearest with min/max (or absmax) ranges: the RTN baseline, and the final
     encoding step of algorithms that only adjust the weight or its ranges beforehand."""
-    wmin, wmax = group_ranges(w, scheme.group_size)
+    if scheme.type == "float":
+        return quantize_fp8(w, scheme)
+    if scheme.per_tensor:
+        rows = (w.shape[0], 1)
+        wmin, wmax = w.float().amin().expand(rows), w.float().amax().expand(rows)
+    else:
+        wmin, wmax = group_ranges(w, scheme.group_size)
     return quantize_with_ranges(w, wmin, wmax, scheme)
+
+
+def quantize_fp8(w: torch.Tensor, scheme: WeightScheme) -> QuantizedWeight:
+    """FP8 e4m3 codes with `s = absmax/448` per output channel or per tensor."""
+    from quantlab.quant.activations import quantize_fp8_weight
+
+    codes, scale = quantize_fp8_weight(w, per_channel=not scheme.per_tensor)
+    scales = scale.float().reshape(-1, 1).expand(w.shape[0], 1).contiguous()
+    zeros = torch.zeros(w.shape[0], 1, dtype=torch.uint8, device=w.device)
+    g_idx = torch.zeros(w.shape[1], dtype=torch.int32, device=w.device)
+    return QuantizedWeight(codes, scales, zeros, g_idx, scheme)
 
 
 def quantize_with_ranges(

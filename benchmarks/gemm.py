@@ -1,0 +1,275 @@
+"""GEMM benchmark for quantlab.kernels on a CUDA GPU (run on the device machine).
+
+Shapes are Linear layers of Qwen2-7B and Llama-3-8B, written K×N (in × out); M is the token
+count. Baselines run in the same process: bf16 F.linear (cuBLAS), torch._int_mm, torch._scaled_mm
+(per-row scales) and torch's tinygemm int4 kernel (_weight_int4pack_mm, its own packing).
+Times are medians of triton.testing.do_bench (events, L2 flushed between runs). Each quantized
+case is also checked against its torch reference on the GPU (rel = ‖y−ref‖/‖ref‖).
+
+    python benchmarks/gemm.py --out DIR [--ms 1,16,64,256,4096] [--shapes qwen_up,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a bare checkout too
+
+SHAPES = {  # name: (K, N)
+    "qwen_up": (3584, 18944), "qwen_down": (18944, 3584), "qwen_qkv": (3584, 3584),
+    "qwen_kv": (3584, 512), "llama_qkv": (4096, 4096), "llama_up": (4096, 14336),
+    "llama_down": (14336, 4096), "llama_kv": (4096, 1024),
+}
+GROUP = 128
+
+
+def _import_kernels():
+    try:
+        import quantlab.kernels as qk
+    except ImportError:  # a checkout without the package installed: map kernels/ by hand
+        import importlib.util
+        import types
+
+        pkg = types.ModuleType("quantlab")
+        pkg.__path__ = [str(REPO / "quantlab")]
+        sys.modules.setdefault("quantlab", pkg)
+        spec = importlib.util.spec_from_file_location(
+            "quantlab.kernels", REPO / "kernels" / "__init__.py",
+            submodule_search_locations=[str(REPO / "kernels")])
+        qk = importlib.util.module_from_spec(spec)
+        sys.modules["quantlab.kernels"] = qk
+        spec.loader.exec_module(qk)
+    return qk
+
+
+def bench(fn, rep: int = 40) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median"))
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy, bytes read + written per second (GB/s)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = bench(lambda: b.copy_(a), rep=100)
+    del a, b
+    return 2 * nbytes / ms / 1e6
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    y, ref = y.float(), ref.float()
+    if not torch.isfinite(y).all():
+        return float("inf")
+    return ((y - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+
+
+def tinygemm_pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                  dtype: torch.dtype, high_first: bool):
+    """Canonical codes [N,K] → torch's tinygemm int4 packing; zero = (8 − z)·s (w = (q−8)s + zero)."""
+    c = codes.to(torch.uint8)
+    if high_first:
+        u8 = (c[:, ::2] << 4) | c[:, 1::2]
+    else:
+        u8 = c[:, ::2] | (c[:, 1::2] << 4)
+    packed = torch.ops.aten._convert_weight_to_int4pack(u8.contiguous(), 8)
+    s = scales.float()
+    zero = (8.0 - zeros.float()) * s
+    sz = torch.stack([s.t(), zero.t()], dim=-1).to(dtype).contiguous()  # [groups, N, 2]
+    return packed, sz
+
+
+class Case:
+    """One layer shape with every weight format built once."""
+
+    def __init__(self, qk, k: int, n: int):
+        from quantlab.quant.primitives import quantize_weight
+        from quantlab.quant.scheme import WeightScheme
+
+        g = torch.Generator(device="cuda").manual_seed(k * 7 + n)
+        self.k, self.n = k, n
+        self.w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+        q4 = quantize_weight(self.w.float(), WeightScheme(bits=4, symmetric=False, group_size=GROUP))
+        q8 = quantize_weight(self.w.float(), WeightScheme(bits=8, symmetric=True, group_size=None))
+        self.q4 = q4
+        self.w4 = qk.pack_wna16(q4, torch.bfloat16)
+        self.w8 = qk.pack_wna16(q8, torch.bfloat16)
+        self.i8 = qk.quantize_int8_weight(self.w)
+        self.f8 = qk.quantize_fp8_weight(self.w, per_row=True)
+        self.tiny = None
+        self.tiny_err = None
+
+    def setup_tinygemm(self, x: torch.Tensor, ref: torch.Tensor) -> None:
+        errs = {}
+        for high in (True, False):
+            try:
+                packed, sz = tinygemm_pack(self.q4.codes, self.q4.scales, self.q4.zeros, x.dtype, high)
+                y = torch.ops.aten._weight_int4pack_mm(x, packed, GROUP, sz)
+                errs[high] = (rel_err(y, ref), packed, sz)
+            except Exception as e:  # noqa: BLE001 — report, do not die
+                errs[high] = (float("inf"), None, repr(e)[:200])
+        best = min(errs.values(), key=lambda t: t[0])
+        if best[1] is not None and best[0] < 0.05:
+            self.tiny = (best[1], best[2])
+        self.tiny_err = {str(h): (e if p is not None else sz) for h, (e, p, sz) in errs.items()}
+
+
+def weight_bytes(kind: str, k: int, n: int) -> float:
+    return {"bf16": 2.0 * k * n, "w4a16": k * n / 2 + 2 * 2 * n * math.ceil(k / GROUP),
+            "tinygemm": k * n / 2 + 2 * 2 * n * math.ceil(k / GROUP),
+            "w8a16": k * n + 2 * 2 * n, "w8a8": k * n + 4 * n, "int_mm": k * n,
+            "fp8": k * n + 4 * n, "scaled_mm": k * n + 4 * n}[kind]
+
+
+def act_bytes(kind: str, m: int, k: int, n: int) -> float:
+    a_el = 1 if kind in ("w8a8", "int_mm", "fp8", "scaled_mm") else 2
+    y_el = 4 if kind == "int_mm" else 2
+    return m * k * a_el + m * n * y_el
+
+
+def run(args) -> dict:
+    qk = _import_kernels()
+    import triton
+
+    from quantlab.kernels import reference
+    from quantlab.kernels.triton_scaled import fp8_matmul, w8a8_matmul
+    from quantlab.kernels.triton_wna16 import wna16_matmul
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev = torch.cuda.get_device_properties(0)
+    bw = copy_bandwidth()
+    meta = {"device": dev.name, "sms": dev.multi_processor_count, "torch": torch.__version__,
+            "triton": triton.__version__, "copy_GBps": bw, "python": platform.python_version(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    print(f"# {dev.name}: device copy {bw:.0f} GB/s; torch {torch.__version__}, triton {triton.__version__}",
+          flush=True)
+    ms_list = [int(v) for v in args.ms.split(",")]
+    names = args.shapes.split(",") if args.shapes else list(SHAPES)
+    rows = []
+    for name in names:
+        k, n = SHAPES[name]
+        case = Case(qk, k, n)
+        for m in ms_list:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            xq8, sx8 = reference.quantize_act_int8(x)
+            xf8, sf8 = reference.quantize_act_fp8(x, per_row=True)
+            ref4 = reference.wna16_mm(x, case.w4)
+            if m == ms_list[0] or case.tiny is None and case.tiny_err is None:
+                case.setup_tinygemm(x, ref4)
+            variants = {
+                "bf16": (lambda: F.linear(x, case.w), None),
+                "w4a16": (lambda: wna16_matmul(x, case.w4), ref4),
+                "w8a16": (lambda: wna16_matmul(x, case.w8), reference.wna16_mm(x, case.w8)),
+                "w8a8": (lambda: w8a8_matmul(xq8, sx8, case.i8), reference.w8a8_mm(xq8, sx8, case.i8)),
+                "fp8": (lambda: fp8_matmul(xf8, sf8, case.f8), reference.fp8_mm(xf8, sf8, case.f8)),
+                "int_mm": (lambda: torch._int_mm(xq8, case.i8.w.t()), None),
+                "scaled_mm": (lambda: torch._scaled_mm(xf8, case.f8.w.t(), scale_a=sf8.reshape(-1, 1),
+                                                       scale_b=case.f8.scale.reshape(1, -1),
+                                                       out_dtype=torch.bfloat16), None),
+            }
+            if case.tiny is not None:
+                packed, sz = case.tiny
+                variants["tinygemm"] = (lambda: torch.ops.aten._weight_int4pack_mm(x, packed, GROUP, sz), ref4)
+            if m == 1:
+                variants["w4a16_mma"] = (lambda: wna16_matmul(x, case.w4, impl="gemv"), ref4)
+            if 1 < m <= 16:
+                variants["w4a16_fma"] = (lambda: wna16_matmul(x, case.w4, impl="fma"), ref4)
+            times = {}
+            for kind, (fn, ref) in variants.items():
+                rec = {"shape": name, "K": k, "N": n, "M": m, "kind": kind}
+                try:
+                    y = fn()
+                    torch.cuda.synchronize()
+                    if ref is not None:
+                        rec["rel_err"] = rel_err(y, ref)
+                    elif kind == "int_mm":
+                        rec["rel_err"] = rel_err(y.float() * sx8[:, None] * case.i8.scale, reference.w8a8_mm(
+                            xq8, sx8, case.i8, torch.float32))
+                    elif kind == "scaled_mm":
+                        rec["rel_err"] = rel_err(y, reference.fp8_mm(xf8, sf8, case.f8))
+                    t = bench(fn)
+                    times[kind] = t
+                    base = kind.split("_")[0] if kind.startswith("w4a16") else kind
+                    nbytes = weight_bytes(base, k, n) + act_bytes(base, m, k, n)
+                    rec.update(ms=t, GBps=nbytes / t / 1e6, TFLOPs=2 * m * n * k / t / 1e9,
+                               bw_frac=nbytes / t / 1e6 / bw)
+                except Exception as e:  # noqa: BLE001 — one failing case must not end the run
+                    rec["error"] = repr(e)[:300]
+                rows.append(rec)
+            for rec in rows[-len(variants):]:
+                if "ms" in rec and "bf16" in times:
+                    rec["speedup_vs_bf16"] = times["bf16"] / rec["ms"]
+            line = "  ".join(f"{kk}={times[kk] * 1e3:.1f}" for kk in times)
+            print(f"{name:11s} M={m:5d} us: {line}", flush=True)
+        meta.setdefault("tinygemm_check", {})[name] = case.tiny_err
+        del case
+        torch.cuda.empty_cache()
+        meta["autotune"] = autotune_choices()
+        save({"meta": meta, "rows": rows}, args)  # partial results survive a time-out
+    return {"meta": meta, "rows": rows}
+
+
+def autotune_choices() -> dict:
+    from quantlab.kernels import triton_scaled, triton_wna16
+
+    out = {}
+    for label, tuner in (("fma", triton_wna16._FMA), ("gemv", triton_wna16._MMA_GEMV),
+                         ("mid", triton_wna16._MMA_MID), ("tiled", triton_wna16._MMA_TILED),
+                         ("scaled_small", triton_scaled._SMALL), ("scaled_large", triton_scaled._LARGE)):
+        out[label] = {str(kk): str(v) for kk, v in getattr(tuner, "cache", {}).items()}
+    return out
+
+
+def markdown(res: dict) -> str:
+    meta, rows = res["meta"], res["rows"]
+    lines = [f"# GEMM benchmark — {meta['device']}", "",
+             f"torch {meta['torch']}, triton {meta['triton']}; measured device copy bandwidth "
+             f"{meta['copy_GBps']:.0f} GB/s (read + write). Times: median µs (do_bench, L2 flushed). "
+             "× = speed-up vs bf16 cuBLAS; BW% = achieved bytes/s over the copy bandwidth; rel = "
+             "‖y − ref‖/‖ref‖ against the torch reference.", "",
+             "| shape (K×N) | M | kind | µs | × bf16 | GB/s | BW% | TFLOP/s | rel err |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        shape = f"{r['shape']} {r['K']}×{r['N']}"
+        if "error" in r:
+            lines.append(f"| {shape} | {r['M']} | {r['kind']} | error: {r['error'][:80]} | | | | | |")
+            continue
+        rel = f"{r['rel_err']:.1e}" if "rel_err" in r else ""
+        lines.append(f"| {shape} | {r['M']} | {r['kind']} | {r['ms'] * 1e3:.1f} | "
+                     f"{r.get('speedup_vs_bf16', float('nan')):.2f} | {r['GBps']:.0f} | "
+                     f"{100 * r['bw_frac']:.0f}% | {r['TFLOPs']:.1f} | {rel} |")
+    return "\n".join(lines) + "\n"
+
+
+def save(res: dict, args) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = args.tag or res["meta"]["device"].replace(" ", "_").lower()
+    (out / f"gemm_{tag}.json").write_text(json.dumps(res, indent=1))
+    (out / f"gemm_{tag}.md").write_text(markdown(res))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--ms", default="1,16,64,256,4096")
+    ap.add_argument("--shapes", default="")
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+    res = run(args)
+    save(res, args)
+    print(markdown(res))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""Float baseline: the unquantized model scored with quantlab's perplexity on the shared
+test stream, in the benchmark's own interpreter (quantlab's virtualenv)."""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+import _common
+
+
+def main() -> int:
+    args = _common.parse_args(__doc__.splitlines()[0])
+    timer = _common.Timer()
+    result: dict = {"tool": "float", "method": "float", "versions": _common.versions()}
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with timer.measure("load"):
+            model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        with timer.measure("eval"):
+            result["perplexity"] = _common.score(model, args)
+        result["status"] = "ok"
+    except Exception as exc:
+        traceback.print_exc()
+        result.update(status="failed", error=f"{type(exc).__name__}: {str(exc)[:400]}")
+    result["seconds"] = timer.seconds
+    _common.write_result(args, result)
+    return 0 if result["status"] == "ok" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""Packed weight layouts for the GEMM kernels, and repacking from quantlab's canonical form.
+
+Canonical form (quantlab.quant.primitives.QuantizedWeight): codes uint8 `[N, K]` (N = out,
+K = in), scales f32 `[N, groups]`, zeros uint8 `[N, groups]`, g_idx int32 `[K]`.
+
+**WNA16 layout (W4A16, W8A16)** — built for a memory-bound GEMV on Hopper:
+
+* K is padded to a multiple of `BLOCK_K = 128` (pad codes are 0; the kernels mask the
+  activations past K, so the pad contributes nothing).
+* Each 128-wide K block is stored as `W = 4·bits` int32 rows (16 for int4, 32 for int8) of N
+  words; `qweight` is int32 `[Kp·bits/32, N]`, N contiguous, so one 16-byte load gives 4 output
+  columns × 8 nibbles and a warp reads 512 contiguous bytes.
+* Inside a block, bits `[bits·i, bits·(i+1))` of word row `j` hold k = `128·b + i·W + j`
+  ("slot-interleaved"): slot i of all W rows is a contiguous K range of length W. A kernel
+  extracts one slot from a whole tile with one mask (no shift for 4 of the 8 nibbles) and
+  multiplies it by a contiguous slice of the activations; no register reshapes are needed.
+* `scales` and `zeros` are `[groups, N]` floats in the activation dtype by default (integer
+  zero points are exact in bf16/fp16); dequant is `w = (q − z)·s`. The zero point is not
+  pre-multiplied: the kernels fold `z` into the constant of the FMA that turns the 2^23
+  float bit pattern into the code, so `q − z` costs nothing extra, and the scale is applied
+  once per group and column (GEMV) or once per element (MMA).
+* Supported group sizes: per-channel, a multiple of 128, or a divisor of 128 that is a
+  multiple of W (16/32/64 for int4, 32/64 for int8), so every slot lies in one group. Others
+  keep `kernel_ok = False` and run through the torch reference.
+* Act-order (GPTQ `desc_act`): when `g_idx` is not `i // G` but sorting the columns by group
+  gives `i // G`, the columns are stored in that sorted order and `perm` is kept; the forward
+  pass gathers `x[..., perm]` first (one extra read of the activations, which is cheap next to
+  the weights at decode sizes). Any other g_idx is rejected.
+
+**W8A8 int8**: `w` int8 `[N, K]` (K contiguous, the layout wgmma needs for 8-bit operands),
+`scale` f32 `[N]`; an asymmetric per-channel zero point becomes `zc = z − 128` `[N]` (int32),
+applied in the epilogue as `acc − zc·rowsum(x_q)`.
+
+**FP8 e4m3**: `w` float8_e4m3fn `[N, K]`, `scale` f32 `[N]` (per-row) or `[1]` (per-tensor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quantlab.quant.primitives import QuantizedWeight, default_g_idx
+
+BLOCK_K = 128
+
+
+@dataclass
+class PackedWNA16:
+    """Weight-only int4/int8 weights in the slot-interleaved layout (see module docstring)."""
+
+    qweight: torch.Tensor  # int32 [Kp * bits / 32, N]
+    scales: torch.Tensor  # [groups, N]
+    zeros: torch.Tensor  # [groups, N], integer zero points stored as floats
+    bits: int
+    group_size: int | None  # None = per-channel
+    in_features: int  # K (unpadded)
+    out_features: int  # N
+    perm: torch.Tensor | None = None  # act-order column gather applied to x, int64 [K]
+
+    @property
+    def words_per_block(self) -> int:
+        return 4 * self.bits
+
+    @property
+    def kernel_ok(self) -> bool:
+        """Whether the Triton kernels support this group size (else the reference runs)."""
+        g, w = self.group_size, self.words_per_block
+        return g is None or g % BLOCK_K == 0 or (BLOCK_K % g == 0 and g % w == 0)
+
+    @property
+    def group_constexpr(self) -> int:
+        """Group size as the kernels see it: 0 = one group (per-channel)."""
+        return 0 if self.group_size is None else self.group_size
+
+    def to(self, device: torch.device | str) -> "PackedWNA16":
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return PackedWNA16(move(self.qweight), move(self.scales), move(self.zeros), self.bits,
+                           self.group_size, self.in_features, self.out_features, move(self.perm))
+
+
+@dataclass
+class PackedW8A8:
+    w: torch.Tensor  # int8 [N, K]
+    scale: torch.Tensor  # f32 [N]
+    zc: torch.Tensor | None = None  # int32 [N], zero - 128 (None when symmetric)
+
+    def to(self, device) -> "PackedW8A8":
+        return PackedW8A8(self.w.to(device), self.scale.to(device),
+                          None if self.zc is None else self.zc.to(device))
+
+
+@dataclass
+class PackedFP8:
+    w: torch.Tensor  # float8_e4m3fn [N, K]
+    scale: torch.Tensor  # f32 [N] (per-row) or [1] (per-tensor)
+
+    @property
+    def per_row(self) -> bool:
+        return self.scale.numel() > 1 or self.w.shape[0] == 1
+
+    def to(self, device) -> "PackedFP8":
+        return PackedFP8(self.w.to(device), self.scale.to(device))
+
+
+# ---------------------------------------------------------------------------------------------
+# WNA16
+
+
+def _group_size_of(qw: QuantizedWeight) -> int | None:
+    if qw.scales.shape[1] == 1:
+        return None
+    return qw.scheme.group_size
+
+
+def act_order_perm(g_idx: torch.Tensor, group_size: int | None) -> torch.Tensor | None:
+    """Column permutation that makes `g_idx` equal `i // G`, None if it already is.
+
+    Raises when no permutation does (group sizes other than G apart from the tail)."""
+    k = g_idx.numel()
+    want = default_g_idx(k, group_size).to(g_idx.device)
+    if torch.equal(g_idx.to(torch.int32), want):
+        return None
+    perm = torch.argsort(g_idx.to(torch.int64), stable=True)
+    if not torch.equal(g_idx[perm].to(torch.int32), want):
+        raise ValueError("g_idx is neither i // G nor a permutation of it; cannot repack")
+    return perm
+
+
+def pack_slots(codes_kn: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes `[K, N]` (K a multiple of 128) → int32 `[K·bits/32, N]` in the slot layout."""
+    k, n = codes_kn.shape
+    w, slots = 4 * bits, 32 // bits
+    c = codes_kn.to(torch.int64).reshape(k // BLOCK_K, slots, w, n)  # [blocks, i, j, n]
+    shifts = (torch.arange(slots, dtype=torch.int64, device=c.device) * bits).view(1, slots, 1, 1)
+    words = (c << shifts).sum(dim=1)  # [blocks, j, n]
+    words = torch.where(words >= 2**31, words - 2**32, words)
+    return words.reshape(-1, n).to(torch.int32).contiguous()
+
+
+def unpack_slots(qweight: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `pack_slots`: int32 `[Kp·bits/32, N]` → uint8 codes `[Kp, N]`."""
+    w, slots = 4 * bits, 32 // bits
+    rows, n = qweight.shape
+    words = qweight.to(torch.int64).reshape(rows // w, 1, w, n) & 0xFFFFFFFF
+    shifts = (torch.arange(slots, dtype=torch.int64, device=words.device) * bits).view(1, slots, 1, 1)
+    codes = (words >> shifts) & (2**bits - 1)  # [blocks, i, j, n]
+    return codes.reshape(-1, n).to(torch.uint8)
+
+
+def pack_wna16(qw: QuantizedWeight, dtype: torch.dtype = torch.bfloat16,
+               scale_dtype: torch.dtype | None = None) -> PackedWNA16:
+    """Repack canonical int4/int8 weights for the WNA16 kernels.
+
+    `scale_dtype` defaults to the activation dtype (halves the scale traffic next to f32);
+    pass torch.float32 to keep the canonical scales exactly."""
+    bits = qw.scheme.bits
+    if qw.scheme.type != "int" or bits not in (4, 8):
+        raise ValueError(f"WNA16 kernels take 4- or 8-bit integer weights, got {qw.scheme.name}")
+    n, k = qw.codes.shape
+    g = _group_size_of(qw)
+    perm = act_order_perm(qw.g_idx, g)
+    codes = qw.codes if perm is None else qw.codes[:, perm]
+    kp = -(-k // BLOCK_K) * BLOCK_K
+    codes_kn = torch.zeros(kp, n, dtype=torch.uint8, device=codes.device)
+    codes_kn[:k] = codes.t()
+    sd = scale_dtype or dtype
+    scales = qw.scales.float().t().contiguous().to(sd)  # [groups, N]
+    zeros = qw.zeros.float().t().contiguous().to(sd)
+    return PackedWNA16(pack_slots(codes_kn, bits), scales, zeros, bits, g, k, n, perm)
+
+
+def dequantize_wna16(p: PackedWNA16) -> torch.Tensor:
+    """Float32 weight `[N, K]` in the ORIGINAL column order (what the layer computes)."""
+    codes = unpack_slots(p.qweight, p.bits)[: p.in_features].float()  # [K, N]
+    g = p.group_size or p.in_features
+    gi = torch.arange(p.in_features, device=codes.device) // g
+    w = (codes - p.zeros.float()[gi]) * p.scales.float()[gi]  # [K, N], stored (permuted) order
+    w = w.t()
+    if p.perm is not None:
+        out = torch.empty_like(w)
+        out[:, p.perm] = w
+        w = out
+    return w.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# W8A8 and FP8
+
+
+def pack_w8a8(qw: QuantizedWeight) -> PackedW8A8:
+    """Canonical 8-bit integer weights (per-channel or per-tensor) → int8 + per-row scale.
+
+    Codes are stored as `q − 128` (exact in int8); a zero point other than 128 (asymmetric)
+    is kept as `zc = z − 128` for the epilogue correction."""
+    if qw.scheme.type != "int" or qw.scheme.bits != 8 or qw.scales.shape[1] != 1:
+        raise ValueError(f"W8A8 needs 8-bit per-channel integer weights, got {qw.scheme.name}")
+    w = (qw.codes.to(torch.int16) - 128).to(torch.int8).contiguous()
+    zc = qw.zeros[:, 0].to(torch.int32) - 128
+    return PackedW8A8(w, qw.scales[:, 0].float().contiguous(), None if not zc.any() else zc)
+
+
+def pack_fp8(qw: QuantizedWeight) -> PackedFP8:
+    """Canonical FP8 weights (codes float8_e4m3fn, zeros 0) → kernel form."""
+    if qw.scheme.type != "float":
+        raise ValueError(f"pack_fp8 takes FP8 schemes, got {qw.scheme.name}")
+    scale = qw.scales[:, 0].float()
+    if qw.scheme.per_tensor:
+        scale = scale[:1]
+    return PackedFP8(qw.codes.contiguous(), scale.contiguous())
+
+
+def quantize_fp8_weight(w: torch.Tensor, per_row: bool = True) -> PackedFP8:
+    """Float weight `[N, K]` → FP8 e4m3 with `s = absmax / 448` per row or per tensor."""
+    from quantlab.quant.activations import quantize_fp8_weight as q
+
+    codes, scale = q(w, per_channel=per_row)
+    return PackedFP8(codes.contiguous(), scale.reshape(-1).float().contiguous())
+
+
+def quantize_int8_weight(w: torch.Tensor) -> PackedW8A8:
+    """Float weight `[N, K]` → symmetric per-channel int8 on [−127, 127]."""
+    from quantlab.quant.activations import quantize_int8_weight as q
+
+    codes, scale = q(w)
+    return PackedW8A8(codes.contiguous(), scale.reshape(-1).float().contiguous())

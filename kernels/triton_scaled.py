@@ -1,0 +1,143 @@
+"""Triton scaled GEMM for W8A8 int8 and FP8 e4m3: `Y = (A·Bᵀ) ⊙ s_a ⊗ s_b` with the scales
+(and the int8 asymmetric-zero correction) fused in the epilogue. Imported lazily: needs triton.
+
+Operands come in through TMA tensor descriptors (Hopper's bulk copy engine; the descriptors
+zero-fill out-of-bounds tiles, so odd M and N need no masks in the K loop). Both operands are
+K-major (`A [M, K]`, `B [N, K]`), the only layout wgmma takes for 8-bit types. Programs are
+ordered in groups of GROUP_M row tiles so concurrently running tiles share B in L2.
+
+Requirements: K a multiple of 16 (TMA row strides are 16-byte aligned); contiguous operands.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from quantlab.kernels.layout import PackedFP8, PackedW8A8
+
+
+@triton.jit
+def _scaled_mm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, zc_ptr, rs_ptr, y_ptr,
+                      M, N, K, stride_ym, MB,
+                      ROW_A: tl.constexpr, ROW_B: tl.constexpr, ZC: tl.constexpr,
+                      IS_INT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """MB (the M bucket) is only the autotuning key."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % rows
+    pid_n = (pid % per_group) // rows
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    if IS_INT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        a = a_desc.load([off_m, k * BLOCK_K])
+        b = b_desc.load([off_n, k * BLOCK_K])
+        acc = tl.dot(a, b.T, acc)
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    if ZC:
+        rs = tl.load(rs_ptr + offs_m, mask=m_mask, other=0)
+        zc = tl.load(zc_ptr + offs_n, mask=n_mask, other=0)
+        acc = acc - rs[:, None] * zc[None, :]
+    out = acc.to(tl.float32)
+    if ROW_A:
+        out = out * tl.load(sa_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
+    else:
+        out = out * tl.load(sa_ptr)
+    if ROW_B:
+        out = out * tl.load(sb_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+    else:
+        out = out * tl.load(sb_ptr)
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _set_blocks(nargs):
+    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    nargs["a_desc"].block_shape = [bm, bk]
+    nargs["b_desc"].block_shape = [bn, bk]
+
+
+def _cfg(bm, bn, bk, warps, stages, group_m=8):
+    return triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m),
+                         num_warps=warps, num_stages=stages, pre_hook=_set_blocks)
+
+
+SMALL_M_CONFIGS = [_cfg(64, bn, 128, 4, st) for bn in (64, 128, 256) for st in (3, 4, 5)]
+LARGE_M_CONFIGS = [_cfg(128, 256, 128, 8, 3), _cfg(128, 256, 128, 8, 4), _cfg(256, 128, 128, 8, 3),
+                   _cfg(256, 128, 128, 8, 4), _cfg(128, 128, 128, 8, 4), _cfg(128, 128, 128, 4, 4),
+                   _cfg(128, 128, 128, 8, 5), _cfg(128, 256, 64, 8, 4), _cfg(128, 128, 256, 8, 3)]
+
+
+def _bench(fn, quantiles):
+    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
+
+
+def _bucket(m: int) -> int:
+    return min(triton.next_power_of_2(m), 8192)
+
+
+def _autotuned(configs):
+    return triton.autotune(configs=configs, key=["MB", "N", "K", "IS_INT"], do_bench=_bench,
+                           cache_results=True)(_scaled_mm_kernel)
+
+
+_SMALL = _autotuned(SMALL_M_CONFIGS)
+_LARGE = _autotuned(LARGE_M_CONFIGS)
+
+
+def _launch(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
+            zc: torch.Tensor | None, rs: torch.Tensor | None, out_dtype: torch.dtype,
+            is_int: bool, config: dict | None) -> torch.Tensor:
+    m, k = a.shape
+    n = b.shape[0]
+    if k % 16:
+        raise ValueError(f"K must be a multiple of 16 for the TMA kernels, got {k}")
+    a, b = a.contiguous(), b.contiguous()
+    y = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    if m == 0:
+        return y
+    dummy = [8, 16]  # replaced by the config's block shape before launch
+    a_desc = TensorDescriptor.from_tensor(a, dummy)
+    b_desc = TensorDescriptor.from_tensor(b, dummy)
+    sa, sb = sa.float().contiguous(), sb.float().contiguous()
+    zc_t = zc if zc is not None else sb
+    rs_t = rs if rs is not None else sa
+    flags = dict(ROW_A=sa.numel() == m, ROW_B=sb.numel() == n, ZC=zc is not None, IS_INT=is_int)
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    args = (a_desc, b_desc, sa, sb, zc_t, rs_t, y, m, n, k, y.stride(0), _bucket(m))
+    if config is not None:
+        meta = {kk: config[kk] for kk in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
+        _set_blocks({"a_desc": a_desc, "b_desc": b_desc, **meta})
+        _scaled_mm_kernel[grid](*args, **flags, **meta,
+                                   num_warps=config.get("num_warps", 4),
+                                   num_stages=config.get("num_stages", 2))
+    else:
+        (_SMALL if m <= 64 else _LARGE)[grid](*args, **flags)
+    return y
+
+
+def w8a8_matmul(xq: torch.Tensor, sx: torch.Tensor, p: PackedW8A8,
+                out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None) -> torch.Tensor:
+    """int8 `xq [M, K]` with per-token scales `sx [M]` (or one `[1]`) × int8 weight → out_dtype."""
+    rs = xq.sum(dim=1, dtype=torch.int32) if p.zc is not None else None
+    return _launch(xq, p.w, sx, p.scale, p.zc, rs, out_dtype, True, config)
+
+
+def fp8_matmul(xq: torch.Tensor, sx: torch.Tensor, p: PackedFP8,
+               out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None) -> torch.Tensor:
+    """FP8 `xq [M, K]` with scales `[M]` or `[1]` × FP8 weight (scale `[N]` or `[1]`)."""
+    return _launch(xq, p.w, sx, p.scale, None, None, out_dtype, False, config)

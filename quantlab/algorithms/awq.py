@@ -1,0 +1,408 @@
+"""AWQ (Lin et al., 2023): activation-aware per-input-channel scales, then weight clipping.
+
+Channels that see large activations matter more to a Linear's output, so AWQ multiplies
+their weight columns by `s > 1` before rounding (relatively finer steps for them) and divides
+the op that produces those inputs (a norm, or the previous Linear's output rows) by `s`.
+The folded float model computes exactly the same function; only the rounding changes.
+
+Per scaling group of the ArchSpec (a producer and the Linears reading its output):
+  * `s(α) = x̄^α` — or with duo scaling `x̄^α / w̄^(1−α)` (w̄: mean of |W| normalized per
+    quantization group, as AutoAWQ) — normalized by `sqrt(max·min)`, with α on a grid in
+    [0, 1); the identity (plain RTN) is always a candidate, so AWQ never picks a scale that
+    measures worse than no scale;
+  * the error of a candidate is the MSE of the group's *Linear outputs* (q,k,v outputs
+    concatenated; gate,up concatenated; o_proj; down_proj) between float weights and
+    fake-quantized scaled weights, over a token subsample.
+Then each Linear (except q/k by default: their rounding error is amplified by the qk
+product, which a per-Linear objective cannot see) gets a per-(row, group) clipping range
+shrunk over a grid to minimize that group's output error; weights are clamped in place.
+
+Speed: all errors are quadratic forms in the input Gram matrix `H = XᵀX / T`, so
+`‖X(Ŵ − W)ᵀ‖² / T = Σ (D H) ⊙ D` with `D = Ŵ − W`: one `in × in` Gram per distinct input
+(q/k/v share one) is accumulated in a forward over a seeded subsample of batches/tokens,
+and the grid searches never touch activations again. Clipping uses the Gram's diagonal
+blocks (per-group errors, ignoring cross-group terms, like AutoAWQ's clip search).
+
+AWQ does not choose the final codes; it returns the RTN encoding of its rescaled, clipped
+weights so that it works as the last weight stage, and a following rtn/gptq stage re-encodes
+the same float weights (the engine writes codes back only after all stages ran).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from fnmatch import fnmatch
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from quantlab.engine.sequential import LayerContext, is_ignored
+from quantlab.models.arch import ArchSpec
+from quantlab.quant.primitives import (
+    QuantizedWeight,
+    compute_qparams,
+    group_ranges,
+    grouped,
+    num_groups,
+    quantize_weight,
+)
+from quantlab.quant.scheme import WeightScheme
+
+MIN_SCALE = 1e-4  # floor of x̄^α and of the duo ratio (dead channels must not blow up 1/s)
+
+
+# --------------------------------------------------------------------------- primitives
+
+
+def fake_quantize(
+    w: torch.Tensor, scheme: WeightScheme, lo: torch.Tensor | None = None, hi: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Dequantized `w [out, in]` — the same arithmetic as `quantize_weight`, vectorized over
+    groups. Given per-(row, group) ranges `lo, hi [out, groups]`, weights are first clamped to
+    them: exactly what `quantize_weight` computes after `apply_clip`."""
+    out_f, in_f = w.shape
+    g = grouped(w.float(), scheme.group_size)
+    if lo is not None and hi is not None:
+        lo, hi = lo.unsqueeze(-1), hi.unsqueeze(-1)
+        g = torch.maximum(torch.minimum(g, hi), lo)
+    return fake_quantize_groups(g, scheme, lo, hi).reshape(out_f, -1)[:, :in_f]
+
+
+def fake_quantize_groups(
+    g: torch.Tensor, scheme: WeightScheme, lo: torch.Tensor | None = None, hi: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Quantize-dequantize `g [..., G]`, one range per last-dim slice (`lo, hi [..., 1]`,
+    default its min/max), in a fresh tensor with in-place steps: the searches call this a few
+    hundred times per layer, so memory passes are the cost."""
+    if lo is None or hi is None:
+        lo, hi = torch.aminmax(g, dim=-1, keepdim=True)
+    scale, zero = compute_qparams(lo, hi, scheme.bits, scheme.symmetric)
+    return g.div(scale).round_().add_(zero).clamp_(0, scheme.qmax).sub_(zero).mul_(scale)
+
+
+def weight_mean(w: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """Per input channel: mean over rows of |W| normalized by its quantization group's max."""
+    in_f = w.shape[1]
+    g = grouped(w.float().abs(), group_size)
+    g = g / (g.amax(dim=-1, keepdim=True) + 1e-6)
+    return g.reshape(w.shape[0], -1)[:, :in_f].mean(dim=0)
+
+
+def candidate_scales(
+    x_mean: torch.Tensor, w_mean: torch.Tensor | None, alpha: float
+) -> torch.Tensor:
+    """`x̄^α` (or `x̄^α / w̄^(1−α)` when `w_mean` is given), normalized by `sqrt(max·min)` so the
+    scales straddle 1 and neither side of the fold drifts in magnitude."""
+    if w_mean is None:
+        s = x_mean.pow(alpha).clamp(min=MIN_SCALE)
+    else:
+        s = (x_mean.pow(alpha) / (w_mean.pow(1 - alpha) + MIN_SCALE)).clamp(min=MIN_SCALE)
+    s = s / (s.max() * s.min()).sqrt()
+    return torch.where(torch.isfinite(s), s, torch.ones_like(s))
+
+
+def output_error(delta: torch.Tensor, gram: torch.Tensor) -> float:
+    """MSE of the outputs `X δᵀ` per output element, from `gram = XᵀX / T`."""
+    return ((delta @ gram) * delta).sum().item() / delta.shape[0]
+
+
+def scaled_gram(gram: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Gram of the inputs `X / s` after the producer absorbed `1 / s`."""
+    inv = 1.0 / s
+    return gram * inv[:, None] * inv[None, :]
+
+
+@dataclass
+class ScaleSearch:
+    scales: torch.Tensor  # [in], positive
+    alpha: float | None  # None: the identity (no scaling) won
+    error: float  # output MSE of the chosen scales
+    identity_error: float  # output MSE of plain RTN (s = 1)
+    errors: dict[float, float]  # α → output MSE, for every grid point
+
+
+def search_scales(
+    w: torch.Tensor,
+    x_mean: torch.Tensor,
+    gram: torch.Tensor,
+    scheme: WeightScheme,
+    grid: int = 20,
+    duo_scaling: bool = True,
+) -> ScaleSearch:
+    """Grid-search α for the Linears stacked in `w [out, in]` that read inputs with per-channel
+    mean |x| `x_mean` and Gram `gram`; minimizes the output MSE of `Q(W·s)/s` vs `W`."""
+    w = w.float()
+    w_mean = weight_mean(w, scheme.group_size) if duo_scaling else None
+
+    def error_of(s: torch.Tensor) -> float:
+        return output_error(fake_quantize(w * s, scheme).div_(s).sub_(w), gram)
+
+    ones = torch.ones_like(x_mean)
+    identity_error = error_of(ones)
+    best = (identity_error, None, ones)
+    errors = {}
+    for i in range(grid):
+        alpha = i / grid
+        s = candidate_scales(x_mean, w_mean, alpha)
+        errors[alpha] = err = error_of(s)
+        if err < best[0]:
+            best = (err, alpha, s)
+    return ScaleSearch(best[2], best[1], best[0], identity_error, errors)
+
+
+def diagonal_blocks(gram: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """`[groups, G, G]` diagonal blocks of the Gram; a short tail group is zero-padded (the
+    padded weight columns then contribute nothing to the error)."""
+    in_f = gram.shape[0]
+    g = in_f if group_size is None else group_size
+    n = num_groups(in_f, group_size)
+    padded = torch.zeros(n * g, n * g, dtype=gram.dtype, device=gram.device)
+    padded[:in_f, :in_f] = gram
+    blocks = padded.reshape(n, g, n, g).diagonal(dim1=0, dim2=2)  # [g, g, n]
+    return blocks.permute(2, 0, 1).contiguous()
+
+
+def clip_ranges(w: torch.Tensor, scheme: WeightScheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unclipped quantization range per (row, group): min/max, or ±absmax if symmetric."""
+    lo, hi = group_ranges(w, scheme.group_size)
+    if scheme.symmetric:
+        a = torch.maximum(lo.abs(), hi.abs())
+        lo, hi = -a, a
+    return lo, hi
+
+
+def group_errors(d: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Per (group, row) output MSE `δ H_gg δᵀ` of `d [groups, out, G]`, shape `[groups, out]`."""
+    return (torch.bmm(d, blocks) * d).sum(dim=-1)
+
+
+def search_clip(
+    w: torch.Tensor, gram: torch.Tensor, scheme: WeightScheme, grid: int = 20, max_shrink: float = 0.5
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per (row, group) shrink of the quantization range, ratios from 1 down to
+    `1 − max_shrink` in `grid` steps, minimizing that group's output error.
+
+    Returns `(lo, hi, error, unclipped_error)`, each `[out, groups]`: the best range, and the
+    measured per-group error with and without clipping (ratio 1 is a candidate, so
+    `error ≤ unclipped_error` elementwise).
+    """
+    blocks = diagonal_blocks(gram, scheme.group_size)
+    lo0, hi0 = clip_ranges(w, scheme)
+    lo0, hi0 = lo0.T.unsqueeze(-1), hi0.T.unsqueeze(-1)  # [groups, out, 1]
+    wg = grouped(w.float(), scheme.group_size).transpose(0, 1).contiguous()  # [groups, out, G]
+    best_lo, best_hi = lo0.clone(), hi0.clone()
+    best_err = unclipped = None
+    for r in torch.linspace(1.0, 1.0 - max_shrink, grid).tolist():
+        lo, hi = lo0 * r, hi0 * r
+        clamped = torch.maximum(torch.minimum(wg, hi), lo) if r < 1 else wg
+        err = group_errors(fake_quantize_groups(clamped, scheme, lo, hi).sub_(wg), blocks).unsqueeze(-1)
+        if best_err is None:
+            best_err, unclipped = err, err
+            continue
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_lo, best_hi = torch.where(better, lo, best_lo), torch.where(better, hi, best_hi)
+    return tuple(t.squeeze(-1).T for t in (best_lo, best_hi, best_err, unclipped))
+
+
+def apply_clip(w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """Clamp `w` in place to its per-(row, group) range; `quantize_weight` on the result then
+    derives exactly the searched range (the extreme weight sits on the clamp bound)."""
+    idx = (torch.arange(w.shape[1], device=w.device) // (w.shape[1] if group_size is None else group_size))
+    return w.clamp_(lo[:, idx].to(w.dtype), hi[:, idx].to(w.dtype))
+
+
+def producer_width(prev: nn.Module) -> int:
+    """Channels a producer emits: a Linear's out_features, a norm's weight length."""
+    return prev.weight.shape[0]
+
+
+@torch.no_grad()
+def fold_scales(prev: nn.Module, consumers: list[nn.Linear], s: torch.Tensor) -> None:
+    """Divide the producer's output channels by `s` (norm weight/bias, or a Linear's output
+    rows and bias) and multiply the consumers' input columns by `s`: the float function is
+    unchanged (norms are elementwise-affine last; attention and SwiGLU are linear in v / up
+    per channel)."""
+    if isinstance(prev, nn.Linear):
+        prev.weight.div_(s.to(prev.weight.dtype)[:, None])
+    else:
+        prev.weight.div_(s.to(prev.weight.dtype))
+    if getattr(prev, "bias", None) is not None:
+        prev.bias.div_(s.to(prev.bias.dtype))
+    for linear in consumers:
+        linear.weight.mul_(s.to(linear.weight.dtype)[None, :])
+
+
+# --------------------------------------------------------------------------- observation
+
+
+@dataclass
+class InputStats:
+    """What AWQ needs of one Linear input: mean |x| per channel and the Gram `XᵀX / T`."""
+
+    abs_sum: torch.Tensor | None = None
+    gram_sum: torch.Tensor | None = None
+    tokens: int = 0  # rows in abs_sum
+    sampled: int = 0  # rows in gram_sum
+
+    def add(self, x: torch.Tensor, keep: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1]).float()
+        sel = x[keep]
+        if self.abs_sum is None:
+            self.abs_sum = torch.zeros(x.shape[1], device=x.device)
+            self.gram_sum = torch.zeros(x.shape[1], x.shape[1], device=x.device)
+        self.abs_sum += x.abs().sum(dim=0)
+        self.gram_sum.addmm_(sel.T, sel)
+        self.tokens += x.shape[0]
+        self.sampled += sel.shape[0]
+
+    @property
+    def x_mean(self) -> torch.Tensor:
+        return self.abs_sum / self.tokens
+
+    @property
+    def gram(self) -> torch.Tensor:
+        return self.gram_sum / self.sampled
+
+    def rescale(self, s: torch.Tensor) -> None:
+        """The producer absorbed `1 / s`: the inputs are now `X / s`."""
+        self.abs_sum = self.abs_sum / s
+        self.gram_sum = scaled_gram(self.gram_sum, s)
+
+
+def input_sites(spec: ArchSpec) -> dict[str, str]:
+    """Linear → the Linear whose input it shares (the first of its scaling group)."""
+    site = {name: group.linears[0] for group in spec.scaling for name in group.linears}
+    return {name: site.get(name, name) for name in spec.linears}
+
+
+def token_subsample(
+    sizes: list[int], max_tokens: int, generator: torch.Generator
+) -> tuple[list[int], list[torch.Tensor]]:
+    """Seeded choice of whole batches covering `max_tokens` tokens (each batch costs a layer
+    forward), then of `max_tokens` token rows among them; returns the chosen batch indices
+    and, per chosen batch, the row indices kept for the Gram."""
+    order = torch.randperm(len(sizes), generator=generator).tolist()
+    chosen, total = [], 0
+    for i in order:
+        if total >= max_tokens:
+            break
+        chosen.append(i)
+        total += sizes[i]
+    chosen.sort()
+    keep = torch.randperm(total, generator=generator)[:max_tokens].sort().values
+    rows, start = [], 0
+    for i in chosen:
+        mask = (keep >= start) & (keep < start + sizes[i])
+        rows.append(keep[mask] - start)
+        start += sizes[i]
+    return chosen, rows
+
+
+def collect_input_stats(
+    ctx: LayerContext, sites: Iterable[str], max_tokens: int, seed: int
+) -> dict[str, InputStats]:
+    """Forward the layer over a seeded batch subsample with hooks on the site Linears."""
+    sites = sorted(set(sites))
+    sizes = [b.hidden.shape[0] * b.hidden.shape[1] for b in ctx.batches]
+    chosen, rows = token_subsample(sizes, max_tokens, torch.Generator().manual_seed(seed))
+    stats = {name: InputStats() for name in sites}
+    calls = dict.fromkeys(sites, 0)
+
+    def hook(name: str):
+        def observe(_module: nn.Module, args: tuple, _output: Any) -> None:
+            stats[name].add(args[0], rows[calls[name]].to(args[0].device))
+            calls[name] += 1
+        return observe
+
+    handles = [ctx.linear(name).register_forward_hook(hook(name)) for name in sites]
+    try:
+        dataclasses.replace(ctx, batches=[ctx.batches[i] for i in chosen]).forward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return stats
+
+
+# --------------------------------------------------------------------------- engine adapter
+
+
+@dataclass
+class AWQ:
+    scheme: WeightScheme
+    grid: int = 20
+    duo_scaling: bool = True
+    clip: bool = True
+    clip_grid: int = 20
+    max_shrink: float = 0.5
+    clip_skip: list[str] = field(default_factory=lambda: ["self_attn.q_proj", "self_attn.k_proj"])
+    max_tokens: int = 8192
+    ignore: list[str] = field(default_factory=list)
+    records: list[dict[str, Any]] = field(default_factory=list)  # one per scaling group / clip
+
+    def apply(self, ctx: LayerContext) -> dict[str, QuantizedWeight]:
+        targets = self._targets(ctx)
+        if not targets:
+            return {}
+        stats = self.scale_layer(ctx)
+        if self.clip:
+            site_of = input_sites(ctx.spec)
+            for name in targets:
+                if not any(fnmatch(name, p) for p in self.clip_skip):
+                    self._clip(ctx, name, stats[site_of[name]])
+        return {name: quantize_weight(ctx.linear(name).weight.data, self.scheme) for name in targets}
+
+    def scale_layer(self, ctx: LayerContext) -> dict[str, InputStats]:
+        """Observe the layer once, then search and fold each scaling group's scales in spec
+        order; returns the input statistics per site, rescaled to the folded layer."""
+        site_of = input_sites(ctx.spec)
+        stats = collect_input_stats(ctx, site_of.values(), self.max_tokens, seed=ctx.index)
+        targets = self._targets(ctx)
+        for group in ctx.spec.scaling:
+            self._scale_group(ctx, group.prev, list(group.linears), targets, stats[site_of[group.linears[0]]])
+        return stats
+
+    def _targets(self, ctx: LayerContext) -> list[str]:
+        return [n for n in ctx.spec.linears if not is_ignored(f"{ctx.prefix}.{n}", self.ignore)]
+
+    def _scale_group(
+        self, ctx: LayerContext, prev_name: str, names: list[str], targets: list[str], stats: InputStats
+    ) -> None:
+        record: dict[str, Any] = {"layer": ctx.index, "prev": prev_name, "linears": names}
+        self.records.append(record)
+        quantized = [n for n in names if n in targets]
+        prev = _submodule(ctx.layer, prev_name)
+        consumers = [ctx.linear(n) for n in names]
+        if not quantized:
+            record["skipped"] = "no quantized Linear in the group"
+            return
+        if prev is None:
+            record["skipped"] = f"no module {prev_name!r}"
+            return
+        width = producer_width(prev)
+        mismatch = [f"{n} in {c.in_features}" for n, c in zip(names, consumers) if c.in_features != width]
+        if mismatch:  # GQA: v_proj emits kv_heads·d channels, o_proj reads heads·d
+            record["skipped"] = f"shape mismatch: {prev_name} out {width} ≠ {', '.join(mismatch)}"
+            return
+        w = torch.cat([ctx.linear(n).weight.data.float() for n in quantized], dim=0)
+        found = search_scales(w, stats.x_mean, stats.gram, self.scheme, self.grid, self.duo_scaling)
+        record.update(alpha=found.alpha, error=found.error, identity_error=found.identity_error)
+        if found.alpha is not None:
+            fold_scales(prev, consumers, found.scales)
+            stats.rescale(found.scales)
+
+    def _clip(self, ctx: LayerContext, name: str, stats: InputStats) -> None:
+        weight = ctx.linear(name).weight.data
+        lo, hi, err, unclipped = search_clip(weight, stats.gram, self.scheme, self.clip_grid, self.max_shrink)
+        apply_clip(weight, lo, hi, self.scheme.group_size)
+        self.records.append({"layer": ctx.index, "clip": name, "error": err.sum().item() / err.shape[0],
+                             "unclipped_error": unclipped.sum().item() / err.shape[0]})
+
+
+def _submodule(layer: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return layer.get_submodule(name)
+    except AttributeError:
+        return None

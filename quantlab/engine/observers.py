@@ -1,0 +1,127 @@
+"""Range observers: running statistics of activations seen during calibration.
+
+`absmax` keeps the running max of |x| (per tensor or per channel). `percentile`, `mse` and
+`histogram` keep a 2048-bin histogram of |x| (rebinned as the range grows, as TensorRT's
+calibrators do) and pick a clipping threshold from it: the given percentile, the threshold
+minimising the expected int8 quantization MSE, or the one minimising the KL divergence between
+the clipped-and-quantized and the original distribution (entropy calibration).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Literal
+
+import torch
+from torch import nn
+
+ObserverKind = Literal["absmax", "percentile", "mse", "histogram"]
+BINS = 2048
+
+
+@dataclass
+class RangeObserver:
+    kind: ObserverKind = "absmax"
+    per_channel: bool = False
+    percentile: float = 99.99
+    levels: int = 127  # positive quantization levels the threshold is chosen for
+    absmax: torch.Tensor | None = None
+    hist: torch.Tensor | None = None
+    hist_max: float = 0.0
+    count: int = 0
+
+    def update(self, x: torch.Tensor) -> None:
+        a = x.detach().float().abs().reshape(-1, x.shape[-1])
+        cur = a.amax(dim=0) if self.per_channel else a.amax()
+        self.absmax = cur if self.absmax is None else torch.maximum(self.absmax, cur)
+        self.count += a.shape[0]
+        if self.kind != "absmax":
+            self._update_hist(a.flatten())
+
+    def _update_hist(self, a: torch.Tensor) -> None:
+        top = float(a.max())
+        if self.hist is None:
+            self.hist_max = max(top, 1e-8)
+            self.hist = torch.zeros(BINS, dtype=torch.float64)
+        elif top > self.hist_max:  # widen the range: fold old bins into the new, coarser grid
+            old_edges = torch.linspace(0, self.hist_max, BINS + 1, dtype=torch.float64)[:-1]
+            self.hist_max = top
+            idx = (old_edges / self.hist_max * BINS).long().clamp(max=BINS - 1)
+            self.hist = torch.zeros(BINS, dtype=torch.float64).index_add_(0, idx, self.hist)
+        self.hist += torch.histc(a.double().cpu(), bins=BINS, min=0, max=self.hist_max)
+
+    def result(self) -> torch.Tensor:
+        """The absmax to build scales from (clipped for the histogram-based kinds)."""
+        assert self.absmax is not None, "observer saw no data"
+        if self.kind == "absmax" or self.per_channel:
+            return self.absmax.cpu()
+        return torch.tensor(self._threshold(), dtype=torch.float32)
+
+    def _threshold(self) -> float:
+        assert self.hist is not None
+        width = self.hist_max / BINS
+        if self.kind == "percentile":
+            cdf = torch.cumsum(self.hist, 0) / self.hist.sum()
+            return float((torch.searchsorted(cdf, self.percentile / 100).clamp(max=BINS - 1) + 1) * width)
+        candidates = torch.arange(BINS // 16, BINS + 1, BINS // 128)
+        losses = torch.stack([self._loss(int(c)) for c in candidates])
+        return float(candidates[int(torch.argmin(losses))] * width)
+
+    def _loss(self, cut: int) -> torch.Tensor:
+        width = self.hist_max / BINS
+        centers = (torch.arange(BINS, dtype=torch.float64) + 0.5) * width
+        threshold = cut * width
+        if self.kind == "mse":
+            step = threshold / self.levels
+            q = torch.clamp(torch.round(centers / step), max=self.levels) * step
+            return (self.hist * (centers - q) ** 2).sum()
+        return _kl_loss(self.hist, cut, self.levels + 1)
+
+
+def _kl_loss(hist: torch.Tensor, cut: int, levels: int) -> torch.Tensor:
+    """KL(P || Q): P = histogram clipped at `cut` with the outliers added to its last bin, Q =
+    the unclipped slice quantized to `levels` bins and spread back over its non-empty bins."""
+    p = hist[:cut].clone()
+    p[-1] += hist[cut:].sum()
+    bucket = torch.arange(cut) * min(levels, cut) // cut
+    nonzero = (hist[:cut] > 0).double()
+    mass = torch.zeros(levels, dtype=torch.float64).index_add_(0, bucket, hist[:cut])
+    filled = torch.zeros(levels, dtype=torch.float64).index_add_(0, bucket, nonzero)
+    q = (mass / filled.clamp(min=1))[bucket] * nonzero
+    p, q = p / p.sum(), q / q.sum().clamp(min=1e-12)
+    mask = p > 0
+    return (p[mask] * torch.log(p[mask] / q[mask].clamp(min=1e-12))).sum()
+
+
+@dataclass
+class LinearObservers:
+    """Observers on the inputs (and optionally outputs) of a set of Linears."""
+
+    inputs: dict[str, RangeObserver] = field(default_factory=dict)
+    outputs: dict[str, RangeObserver] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def observe_linears(
+    layer: nn.Module, names: list[str], make: Callable[[], RangeObserver], outputs: bool = False
+) -> Iterator[LinearObservers]:
+    """Attach observers to the Linears `names` of `layer` for the duration of the block."""
+    obs = LinearObservers()
+    handles = []
+    for name in names:
+        obs.inputs[name] = make()
+        if outputs:
+            obs.outputs[name] = make()
+
+        def hook(_m, args, out, name=name):
+            obs.inputs[name].update(args[0])
+            if outputs:
+                obs.outputs[name].update(out)
+
+        handles.append(layer.get_submodule(name).register_forward_hook(hook))
+    try:
+        yield obs
+    finally:
+        for h in handles:
+            h.remove()

@@ -1,0 +1,68 @@
+"""Export a canonical directory to one format, detect an export's format, and inspect it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from quantlab.errors import UserError
+from quantlab.export.checks import Report
+from quantlab.export.registry import FORMATS, family_modules, module_for
+from quantlab.export.source import load_source, read_sidecar
+from quantlab.rundir import atomic_path
+
+
+def export(canonical: Path, out: Path, fmt: str, max_shard_bytes: int | None = None) -> Report:
+    """Write `out` atomically, then validate it before it replaces anything: an export that
+    fails its own format's rules is a quantlab bug and never lands."""
+    if fmt not in FORMATS:
+        raise UserError(f"--format {fmt!r}: unknown; formats: {', '.join(FORMATS)}")
+    src = load_source(canonical)
+    src.require_weight_only(fmt)
+    module, options = module_for(fmt)
+    if max_shard_bytes is not None and fmt in ("awq", "gptq", "compressed-tensors"):
+        options["max_shard_bytes"] = max_shard_bytes
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out) as tmp:
+        module.write(src, tmp, out, **options)
+        report = module.validate(tmp)
+        report.path = str(out)
+        report.raise_if_invalid()
+    return report
+
+
+def detect(path: Path) -> str:
+    """The export family of a directory (or .gguf file), or 'canonical'."""
+    if not path.exists():
+        raise UserError(f"{path}: no such file or directory")
+    side = read_sidecar(path) if path.is_dir() else None
+    if side and side.get("format", "").startswith("gguf"):
+        return "gguf"
+    if path.is_dir() and (path / "quant_config.json").is_file():
+        return "canonical"
+    for name, module in family_modules().items():
+        if module.matches(path):
+            return name
+    raise UserError(f"{path}: not a recognised export (looked for a .gguf file, rank0.safetensors, or a "
+                    "config.json quantization_config with quant_method awq, gptq or compressed-tensors)")
+
+
+def inspect(path: Path) -> Report:
+    family = detect(path)
+    if family == "canonical":
+        return _inspect_canonical(path)
+    report = family_modules()[family].validate(path)
+    side = read_sidecar(path) if path.is_dir() else None
+    if side:
+        report.facts.setdefault("exported from", side.get("source"))
+    return report
+
+
+def _inspect_canonical(path: Path) -> Report:
+    src = load_source(path)
+    report = Report("quantlab canonical", str(path))
+    schemes = sorted({q.scheme.name for q in src.quantized.values()})
+    report.facts.update({"model_type": src.model_type, "quantized Linears": len(src.quantized),
+                         "schemes": ", ".join(schemes), "act_order": src.act_order})
+    for name, qw in src.quantized.items():
+        report.check("codes in range", name, int(qw.codes.max()) <= qw.scheme.qmax, "code above 2^bits - 1")
+    return report

@@ -1,0 +1,98 @@
+"""What the three Hugging Face quantized checkpoints (AWQ, GPTQ, compressed-tensors) share:
+float tensors kept as they are, per-Linear quantized tensors, `config.json` with a
+`quantization_config`, the tokenizer files, sharded safetensors and the fingerprint sidecar;
+and, on the way back, the checks every such checkpoint must pass."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from quantlab.errors import UserError
+from quantlab.export.checks import Report
+from quantlab.export.shards import DEFAULT_MAX_SHARD, check_index, load_sharded, save_sharded
+from quantlab.export.source import (Canonical, copy_side_files, linear_shapes, write_config,
+                                    write_sidecar)
+from quantlab.models.arch import ARCH_SPECS
+from quantlab.quant.primitives import QuantizedWeight
+
+QuantTensors = Callable[[str, QuantizedWeight], dict[str, torch.Tensor]]
+
+
+def write_checkpoint(src: Canonical, tmp: Path, final: Path, fmt: str, quant_tensors: QuantTensors,
+                     quantization_config: dict[str, Any], float_dtype: torch.dtype,
+                     max_shard_bytes: int = DEFAULT_MAX_SHARD, options: dict[str, Any] | None = None) -> None:
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in src.tensors.items():
+        tensors[name] = t.to(float_dtype) if t.is_floating_point() else t
+    for name, qw in src.quantized.items():
+        for suffix, t in quant_tensors(name, qw).items():
+            tensors[f"{name}.{suffix}"] = t.contiguous()
+    tmp.mkdir(parents=True)
+    save_sharded(dict(sorted(tensors.items())), tmp, max_shard_bytes)
+    write_config(src, tmp, quantization_config, dtype=str(float_dtype).removeprefix("torch."))
+    copy_side_files(src.path, tmp)
+    write_sidecar(src, final, tmp, fmt, options or {})
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    f = path / "config.json"
+    if not f.is_file():
+        raise UserError(f"{path}: no config.json")
+    return json.loads(f.read_text())
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_sharded(path)
+    except FileNotFoundError as exc:
+        raise UserError(str(exc)) from None
+
+
+def split_quantized(tensors: dict[str, torch.Tensor], marker: str) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Float tensors and the Linear names that carry `<name>.<marker>`."""
+    linears = sorted(k.removesuffix(f".{marker}") for k in tensors if k.endswith(f".{marker}"))
+    return tensors, linears
+
+
+def check_layout(report: Report, path: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
+                 skip: set[str], per_linear: Callable[[str, int, int], None]) -> list[str]:
+    """Names every Linear the config implies, checks its quantized tensors through `per_linear`
+    and the float tensors (embedding, norms, head); returns the expected Linear names."""
+    check_index(report, path)
+    spec = ARCH_SPECS.get(config.get("model_type", ""))
+    if not report.check("architecture", "config.json.model_type", spec is not None,
+                        f"{config.get('model_type')!r} is not one of {', '.join(sorted(ARCH_SPECS))}"):
+        return []
+    hidden, vocab = int(config["hidden_size"]), int(config["vocab_size"])
+    expected = []
+    for i in range(int(config["num_hidden_layers"])):
+        for lin, (out_f, in_f) in linear_shapes(config, spec).items():
+            name = f"{spec.layers}.{i}.{lin}"
+            if name in skip:
+                report.tensor(tensors, f"{name}.weight", (torch.float16, torch.bfloat16, torch.float32), (out_f, in_f))
+                continue
+            expected.append(name)
+            report.check("quantized, not float", name, f"{name}.weight" not in tensors,
+                         "holds a float .weight next to its quantized tensors")
+            per_linear(name, out_f, in_f)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            report.tensor(tensors, f"{spec.layers}.{i}.{norm}.weight", _FLOATS, (hidden,))
+    report.tensor(tensors, "model.embed_tokens.weight", _FLOATS, (vocab, hidden))
+    report.tensor(tensors, "model.norm.weight", _FLOATS, (hidden,))
+    if not config.get("tie_word_embeddings", False):
+        report.tensor(tensors, "lm_head.weight", _FLOATS, (vocab, hidden))
+    report.facts["quantized Linears"] = len(expected)
+    return expected
+
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_bias(report: Report, tensors: dict[str, torch.Tensor], config: dict[str, Any], name: str, out_f: int) -> None:
+    spec = ARCH_SPECS[config["model_type"]]
+    if spec.qkv_bias and name.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj"):
+        report.tensor(tensors, f"{name}.bias", _FLOATS, (out_f,))

@@ -1,0 +1,206 @@
+"""What every exporter reads (the canonical form) and what every export carries besides weights.
+
+`Canonical` wraps `load_canonical` with the model config and a few derived facts. Each export
+also gets `quantlab_export.json`: the format, the canonical directory it came from and a
+fingerprint (sha256) of every Linear's codes, zeros and g_idx, so a validator can decode an
+export with the format's reader and prove the bits landed where the format says: a wrong
+pack order or a swapped fc/gate changes the decoded codes and fails the fingerprint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quantlab.errors import UserError
+from quantlab.models.arch import ARCH_SPECS, ArchSpec
+from quantlab.quant.primitives import QuantizedWeight, default_g_idx
+from quantlab.quant.scheme import WeightScheme
+
+SIDECAR = "quantlab_export.json"
+SIDECAR_VERSION = 1
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Canonical:
+    path: Path
+    config: dict[str, Any]
+    quant_config: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    quantized: dict[str, QuantizedWeight]
+
+    @property
+    def model_type(self) -> str:
+        return self.config.get("model_type", "?")
+
+    @property
+    def spec(self) -> ArchSpec:
+        if self.model_type not in ARCH_SPECS:
+            raise UserError(f"{self.path}: model_type {self.model_type!r} has no export mapping; "
+                            f"supported: {', '.join(sorted(ARCH_SPECS))}")
+        return ARCH_SPECS[self.model_type]
+
+    @property
+    def float_dtype(self) -> torch.dtype:
+        name = self.config.get("dtype") or self.config.get("torch_dtype") or "float32"
+        return DTYPES.get(str(name).removeprefix("torch."), torch.float32)
+
+    @property
+    def tied(self) -> bool:
+        return bool(self.config.get("tie_word_embeddings", False))
+
+    @cached_property
+    def scheme(self) -> WeightScheme:
+        """The one scheme of every quantized Linear (formats with a single config need it)."""
+        schemes = {qw.scheme for qw in self.quantized.values()}
+        if not schemes:
+            raise UserError(f"{self.path}: no quantized Linear to export")
+        if len(schemes) > 1:
+            names = ", ".join(sorted(s.name for s in schemes))
+            raise UserError(f"{self.path}: Linears use different schemes ({names}); this format takes one "
+                            "scheme per model")
+        return schemes.pop()
+
+    @cached_property
+    def act_order(self) -> bool:
+        return any(not torch.equal(qw.g_idx, default_g_idx(qw.codes.shape[1], qw.scheme.group_size))
+                   for qw in self.quantized.values())
+
+    def unquantized_linears(self) -> list[str]:
+        """Linears of the decoder layers that the recipe left in float (its `ignore` patterns)."""
+        n_layers = int(self.config["num_hidden_layers"])
+        names = [f"{self.spec.layers}.{i}.{lin}" for i in range(n_layers) for lin in self.spec.linears]
+        return [n for n in names if n not in self.quantized]
+
+    def require_weight_only(self, fmt: str) -> None:
+        """These exporters write integer weight-only checkpoints; anything more would be dropped."""
+        fp8 = [n for n, q in self.quantized.items() if q.scheme.type != "int"]
+        if fp8:
+            raise UserError(f"{fmt}: {fp8[0]} has FP8 weights; only integer weight-only schemes are exported")
+        for key, what in (("activations", "activations"), ("kv_cache", "the KV cache")):
+            if self.quant_config.get(key):
+                raise UserError(f"{fmt}: this run also quantizes {what}; the export would keep only the weights "
+                                "(activation and KV-cache scale export is not implemented)")
+
+    def require_default_g_idx(self, fmt: str) -> None:
+        if self.act_order:
+            raise UserError(f"{fmt}: cannot store an act-order g_idx (groups must be contiguous runs of "
+                            f"input columns); export this model as gptq")
+
+
+def load_source(path: Path) -> Canonical:
+    from quantlab.quant.canonical import load_canonical
+
+    if not (path / "quant_config.json").is_file():
+        raise UserError(f"{path}: not a quantlab canonical directory (no quant_config.json); "
+                        "export reads the `quantized/` directory of a finished run")
+    try:
+        tensors, quantized = load_canonical(path)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    config = json.loads((path / "config.json").read_text())
+    quant_config = json.loads((path / "quant_config.json").read_text())
+    return Canonical(path, config, quant_config, tensors, quantized)
+
+
+def head_dim(config: dict[str, Any]) -> int:
+    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+
+
+def linear_shapes(config: dict[str, Any], spec: ArchSpec) -> dict[str, tuple[int, int]]:
+    """`[out, in]` of each Linear of one decoder layer, from the model config."""
+    hidden, inter = int(config["hidden_size"]), int(config["intermediate_size"])
+    hd = head_dim(config)
+    q, kv = int(config["num_attention_heads"]) * hd, int(config.get("num_key_value_heads") or
+                                                            config["num_attention_heads"]) * hd
+    shapes = {"self_attn.q_proj": (q, hidden), "self_attn.k_proj": (kv, hidden), "self_attn.v_proj": (kv, hidden),
+              "self_attn.o_proj": (hidden, q), "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
+              "mlp.down_proj": (hidden, inter)}
+    return {name: shapes[name] for name in spec.linears}
+
+
+def copy_side_files(src: Path, dst: Path) -> list[str]:
+    """Tokenizer and generation config, so the export directory loads on its own."""
+    copied = []
+    for name in (*TOKENIZER_FILES, "generation_config.json"):
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+def write_config(src: Canonical, dst: Path, quantization_config: dict[str, Any] | None,
+                 dtype: str | None = None) -> None:
+    config = dict(src.config)
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
+    if dtype is not None:
+        config["dtype"] = dtype
+        config.pop("torch_dtype", None)
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+# ----------------------------------------------------------------------------- fingerprints
+
+
+def sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().cpu().numpy().tobytes()).hexdigest()[:32]
+
+
+def fingerprint(qw: QuantizedWeight) -> dict[str, str]:
+    return {"codes": sha(qw.codes.to(torch.uint8)), "zeros": sha(qw.zeros.to(torch.uint8)),
+            "g_idx": sha(qw.g_idx.to(torch.int32))}
+
+
+def write_sidecar(src: Canonical, final_dir: Path, tmp_dir: Path, fmt: str, options: dict[str, Any],
+                  modules: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> None:
+    """`modules`: per Linear what the reader must reproduce (default: the codes fingerprint)."""
+    source = os.path.relpath(src.path.resolve(), final_dir.resolve())
+    payload = {"quantlab_export": SIDECAR_VERSION, "format": fmt, "options": options, "source": source,
+               "model_type": src.model_type,
+               "modules": modules if modules is not None else {n: fingerprint(q) for n, q in src.quantized.items()},
+               **(extra or {})}
+    (tmp_dir / SIDECAR).write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def read_sidecar(path: Path) -> dict[str, Any] | None:
+    f = path / SIDECAR
+    return json.loads(f.read_text()) if f.is_file() else None
+
+
+def sidecar_source(path: Path) -> Path | None:
+    side = read_sidecar(path)
+    if not side:
+        return None
+    src = (path / side["source"]).resolve()
+    return src if (src / "quant_config.json").is_file() else None
+
+
+def check_fingerprints(report: Any, path: Path, quantized: dict[str, QuantizedWeight]) -> None:
+    """Decoded codes/zeros/g_idx equal what the exporter saw: proves pack order and naming."""
+    side = read_sidecar(path)
+    if side is None:
+        report.skip("codes", f"no {SIDECAR} (not written by quantlab): pack order not verifiable")
+        return
+    expected = side.get("modules", {})
+    for name, fp in expected.items():
+        qw = quantized.get(name)
+        if not report.check("present", name, qw is not None, "Linear listed in the fingerprint is missing"):
+            continue
+        got = fingerprint(qw)
+        for part in ("codes", "zeros", "g_idx"):
+            if part in fp:
+                report.check(f"decoded {part}", name, got[part] == fp[part],
+                             f"decoded {part} differ from the exported model's (wrong pack order, "
+                             "swapped tensors or a different model)")
