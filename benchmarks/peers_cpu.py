@@ -23,6 +23,7 @@ Each row is one child process; the benchmark measures its wall time and peak RSS
 from __future__ import annotations
 
 import argparse
+import fcntl
 import fnmatch
 import hashlib
 import json
@@ -117,9 +118,9 @@ def all_rows() -> list[Row]:
 
 
 def select_rows(only: str | None) -> list[Row]:
-    """The float row always runs (it is the baseline); `only` filters the others by fnmatch."""
+    """Rows whose id matches one of the comma-separated fnmatch patterns (all rows by default)."""
     patterns = [p.strip() for p in only.split(",") if p.strip()] if only else ["*"]
-    return [r for r in all_rows() if r.method == "float" or any(fnmatch.fnmatch(r.id, p) for p in patterns)]
+    return [r for r in all_rows() if any(fnmatch.fnmatch(r.id, p) for p in patterns)]
 
 
 # --------------------------------------------------------------------------- shared inputs
@@ -161,11 +162,15 @@ def prepare_inputs(work: Path, samples: int) -> Inputs:
                            seq_len=CALIB_SEQ_LEN, strategy="random_windows")
     docs = sources.load_documents(spec.dataset, "calibration.dataset", tokenizer)
     ids = sampling.sample(docs, tokenizer, spec, SEED).input_ids.contiguous()
-    save_file({"input_ids": ids}, str(calib))
     test_docs = sources.load_documents(DatasetSpec(source=str(TEST_FILE)), "evaluate.perplexity.dataset", tokenizer)
     stream = sampling.tokenize_joined(test_docs, tokenizer).contiguous()
-    save_file({"input_ids": stream}, str(eval_tokens))
-    assert torch.equal(load_file(str(calib))["input_ids"], ids)
+    for path, tensor in ((calib, ids), (eval_tokens, stream)):
+        # Rewritten only when different, and atomically: a concurrent benchmark may be reading it.
+        if path.is_file() and torch.equal(load_file(str(path))["input_ids"], tensor):
+            continue
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
+        save_file({"input_ids": tensor}, str(tmp))
+        os.replace(tmp, path)
     digest = hashlib.sha256()
     for part in (model_dir / "model.safetensors", model_dir / "config.json", calib, eval_tokens):
         digest.update(sha256_file(part).encode())
@@ -193,15 +198,47 @@ def python_path_dir(work: Path) -> Path:
 
 
 def ensure_venv(peer: PeerEnv, root: Path, log: Path) -> Path:
-    """The peer's interpreter; builds its virtualenv on first use (or when its spec changed)."""
+    """The peer's interpreter; builds its virtualenv on first use (or when its spec changed).
+
+    A lock file serializes concurrent benchmarks; a venv built by hand with the pinned
+    versions is adopted as it is.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    with (root / f"{peer.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        venv = root / peer.name
+        python = venv / "bin" / "python"
+        marker = venv / "quantlab-bench.json"
+        if python.exists() and marker.is_file() and json.loads(marker.read_text()).get("spec") == peer.spec():
+            return python
+        if python.exists() and installed_matches(python, peer):
+            write_marker(python, peer, marker, None)
+            return python
+        build_venv(peer, root, log)
+        return python
+
+
+def installed_matches(python: Path, peer: PeerEnv) -> bool:
+    """Whether the venv holds the CPU torch pin and every pinned package at its version."""
+    pins = [TORCH_PIN, *peer.packages]
+    code = ("import sys, torch; from importlib.metadata import version\n"
+            "ok = torch.version.cuda is None and all(version(n) == v or version(n).split('+')[0] == v "
+            "for n, v in (p.split('==') for p in sys.argv[1:]))\nprint(ok)")
+    check = subprocess.run([str(python), "-c", code, *pins], capture_output=True, text=True)
+    return check.returncode == 0 and check.stdout.strip() == "True"
+
+
+def write_marker(python: Path, peer: PeerEnv, marker: Path, seconds: float | None) -> None:
+    freeze = subprocess.run([str(python), "-m", "pip", "freeze"], capture_output=True, text=True).stdout
+    marker.write_text(json.dumps({"spec": peer.spec(), "install_seconds": seconds,
+                                  "freeze": freeze.splitlines()}, indent=2) + "\n")
+
+
+def build_venv(peer: PeerEnv, root: Path, log: Path) -> None:
     venv = root / peer.name
     python = venv / "bin" / "python"
-    marker = venv / "quantlab-bench.json"
-    if python.exists() and marker.is_file() and json.loads(marker.read_text()).get("spec") == peer.spec():
-        return python
     say(f"building the {peer.name} virtualenv in {venv} (minutes; log {log})")
     shutil.rmtree(venv, ignore_errors=True)
-    root.mkdir(parents=True, exist_ok=True)
     constraints = root / f"constraints-{peer.name}.txt"
     constraints.write_text(TORCH_PIN + "\n")
     env = {**os.environ, **dict(peer.build_env), "PIP_CONSTRAINT": str(constraints)}
@@ -221,10 +258,7 @@ def ensure_venv(peer: PeerEnv, root: Path, log: Path) -> Path:
                            capture_output=True, text=True)
     if check.returncode != 0 or check.stdout.split()[-1] != "None":
         raise RuntimeError(f"{peer.name}: the virtualenv has no CPU torch ({check.stdout.strip() or check.stderr[-300:]})")
-    freeze = subprocess.run([str(python), "-m", "pip", "freeze"], capture_output=True, text=True).stdout
-    marker.write_text(json.dumps({"spec": peer.spec(), "install_seconds": round(time.perf_counter() - start, 1),
-                                  "freeze": freeze.splitlines()}, indent=2) + "\n")
-    return python
+    write_marker(python, peer, venv / "quantlab-bench.json", round(time.perf_counter() - start, 1))
 
 
 # --------------------------------------------------------------------------- measured child processes
@@ -298,6 +332,7 @@ class Result:
     error: str | None = None
     notes: list[str] = field(default_factory=list)
     versions: dict[str, str] = field(default_factory=dict)
+    tool_settings: Any = None  # the peer's own configuration objects, as it printed them
     load_avg: list[float] = field(default_factory=list)  # 1-min load average before and after: a busy CPU shows here
     inputs_hash: str | None = None
     reused: bool = False
@@ -327,7 +362,7 @@ class Bench:
             tool = json.dumps(PEERS[row.tool].spec()) + source_hash(PEER_SCRIPTS / "_common.py",
                                                                      PEER_SCRIPTS / PEERS[row.tool].script)
         elif row.tool == "quantlab":
-            tool = source_hash(REPO / "quantlab") + recipe_text
+            tool = source_hash(*(d for d in (REPO / "quantlab", REPO / "kernels") if d.is_dir())) + recipe_text
         else:
             tool = source_hash(PEER_SCRIPTS / "_common.py", PEER_SCRIPTS / "float_run.py")
         tool += source_hash(REPO / "quantlab" / "eval" / "perplexity.py")
@@ -339,10 +374,12 @@ class Bench:
         saved = folder / "result.json"
         recipe_text = quantlab_recipe(row, self.args, folder / "run") if row.tool == "quantlab" else ""
         digest = self.row_hash(row, recipe_text)
+        if self.args.from_saved:
+            return saved_result(row, saved, digest)
         if saved.is_file() and (self.args.reuse or (row.is_peer and self.args.skip_peers)):
-            old = json.loads(saved.read_text())
-            if old.get("inputs_hash") == digest and old.get("status") == "ok":
-                return Result(**{**old, "reused": True})
+            old = saved_result(row, saved, digest)
+            if old.inputs_hash == digest and old.status == "ok":
+                return old
         result = Result.for_row(row)
         result.inputs_hash = digest
         if row.is_peer and self.args.skip_peers:
@@ -388,8 +425,10 @@ class Bench:
             return
         payload = json.loads(out.read_text())
         result.versions = payload.get("versions", {})
+        result.tool_settings = payload.get("config")
         result.notes += [f"{k}: {v}" for k, v in (("kernel", payload.get("kernel")),
                                                    ("torch threads", payload.get("torch_threads"))) if v]
+        result.notes += payload.get("workarounds", [])
         seconds = payload.get("seconds", {})
         result.quantize_s, result.eval_s = seconds.get("quantize"), seconds.get("eval")
         if payload.get("status") != "ok":
@@ -442,6 +481,20 @@ class Bench:
         result.status = "ok"
 
 
+def saved_result(row: Row, saved: Path, digest: str) -> Result:
+    """A row's last saved result as it is, flagged when its inputs hash no longer matches."""
+    if not saved.is_file():
+        result = Result.for_row(row)
+        result.error = "no saved result"
+        return result
+    fields = set(Result.__dataclass_fields__)
+    result = Result(**{k: v for k, v in json.loads(saved.read_text()).items() if k in fields})
+    result.reused = True
+    if result.inputs_hash != digest:
+        result.notes.append("saved by other code or inputs (inputs hash differs from now)")
+    return result
+
+
 def quantlab_recipe(row: Row, args: argparse.Namespace, run_dir: Path) -> str:
     """A recipe with the benchmark's settings; baseline off (the float row is measured once)."""
     import yaml
@@ -486,6 +539,7 @@ def derive(results: list[Result]) -> None:
     """Δ vs float, and quantlab's time over the fastest peer's for the same method and group."""
     base = next((r.perplexity for r in results if r.method == "float" and r.status == "ok"), None)
     for r in results:
+        r.delta_vs_float_pct = r.quantize_ratio = r.wall_ratio = None  # a reused row's were for another table
         if base and r.perplexity is not None and r.method != "float":
             r.delta_vs_float_pct = round(100 * (r.perplexity / base - 1), 2)
     for r in results:
@@ -508,7 +562,8 @@ def cells(r: Result) -> list[str]:
         return "—" if v is None else format(v, fmt)
 
     group = "—" if r.group_size is None else f"g{r.group_size} {'sym' if r.sym else 'asym'}"
-    status = r.status + (" (reused)" if r.reused else "") + (f": {r.error}" if r.error and r.status != "ok" else "")
+    stale = any("hash differs" in n for n in r.notes)
+    status = r.status + (" (reused)" if r.reused else "") + (" (stale)" if stale else "") + (f": {r.error}" if r.error and r.status != "ok" else "")
     delta = "—" if r.delta_vs_float_pct is None else f"{r.delta_vs_float_pct:+.2f}%"
     return [r.method, r.tool, group, num(r.perplexity, ".3f"), delta, num(r.quantize_s, ".1f"), num(r.wall_s, ".1f"),
             num(r.peak_rss_mib, ".0f"), num(r.quantize_ratio, ".2f"), num(r.wall_ratio, ".2f"), status]
@@ -540,6 +595,10 @@ def markdown(payload: dict[str, Any], results: list[Result]) -> str:
         "|" + "|".join("---" if i < 3 or i == len(COLUMNS) - 1 else "---:" for i in range(len(COLUMNS))) + "|",
     ]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in cells(r)) + " |" for r in results]
+    notes = [f"- `{r.id}`: " + "; ".join([*r.notes, *([r.error] if r.error else [])]) for r in results
+             if r.notes or r.error]
+    if notes:
+        lines += ["", "## Notes", "", *notes]
     lines += ["", "## Versions", ""]
     lines += [f"- {tool}: " + ", ".join(f"{k} {v}" for k, v in versions.items())
               for tool, versions in payload["versions"].items()]
@@ -554,7 +613,7 @@ def machine_info() -> dict[str, Any]:
     mem = next((int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
                 if line.startswith("MemTotal")), 0)
     return {"cpu": cpu, "nproc": len(os.sched_getaffinity(0)), "mem_gib": round(mem / 2**20, 1),
-            "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
+            "torch_threads": torch.get_num_threads(), "platform": platform.platform(), "nice": os.nice(0),
             "load_avg_start": round(os.getloadavg()[0], 2)}
 
 
@@ -598,11 +657,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="result JSON; the Markdown table is written next to it (.md)")
     p.add_argument("--windows", type=int, default=20,
                    help="score the first N windows of 2048 test tokens (0 = all 149; ~12 min per model)")
-    p.add_argument("--only", help="comma-separated fnmatch patterns over row ids, e.g. 'quantlab:*,*:gptq-g64'; "
-                                  "the float row always runs. --list shows the ids")
+    p.add_argument("--only", help="comma-separated fnmatch patterns over row ids, e.g. 'float,quantlab:*,*:gptq-g64' "
+                                  "(Δ vs float needs the float row); --list shows the ids")
     p.add_argument("--skip-peers", action="store_true",
                    help="run no peer; show a peer's saved result when its inputs hash matches")
     p.add_argument("--reuse", action="store_true", help="reuse any saved row result whose inputs hash matches")
+    p.add_argument("--from-saved", action="store_true",
+                   help="run nothing: tabulate each selected row's last saved result, flagging stale hashes")
     p.add_argument("--list", action="store_true", help="list the row ids and exit")
     p.add_argument("--calib-samples", type=int, default=CALIB_SAMPLES,
                    help=f"calibration windows (default {CALIB_SAMPLES}); fewer only for smoke tests of the plumbing")

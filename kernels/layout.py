@@ -5,23 +5,21 @@ K = in), scales f32 `[N, groups]`, zeros uint8 `[N, groups]`, g_idx int32 `[K]`.
 
 **WNA16 layout (W4A16, W8A16)** — built for a memory-bound GEMV on Hopper:
 
-* K is padded to a multiple of `BLOCK_K = 128` (pad codes are 0; the kernels mask the
-  activations past K, so the pad contributes nothing).
-* Each 128-wide K block is stored as `W = 4·bits` int32 rows (16 for int4, 32 for int8) of N
-  words; `qweight` is int32 `[Kp·bits/32, N]`, N contiguous, so one 16-byte load gives 4 output
-  columns × 8 nibbles and a warp reads 512 contiguous bytes.
-* Inside a block, bits `[bits·i, bits·(i+1))` of word row `j` hold k = `128·b + i·W + j`
-  ("slot-interleaved"): slot i of all W rows is a contiguous K range of length W. A kernel
-  extracts one slot from a whole tile with one mask (no shift for 4 of the 8 nibbles) and
-  multiplies it by a contiguous slice of the activations; no register reshapes are needed.
+* `qweight` is int32 `[Kp·bits/32, N]`: word row r holds k = `r·P … r·P + P−1` (P = 32/bits
+  codes per word, lowest bits first) for every output column — GPTQ's qweight order, with N
+  contiguous so a 16-byte load gives 4 columns × 8 nibbles and a warp reads 512 contiguous
+  bytes. K is padded to a multiple of 128 with code 0 (the kernels zero the activations past K,
+  so the pad contributes nothing).
+* The kernels read tiles of 16 word rows × BLOCK_N columns (K = 128 for int4). Each code is
+  turned into an exact float with one LOP3 (mask | 2^23 exponent) and one FMA, then the codes
+  of a word are joined along a new register axis, so the `[BN, 128]` operand is in K order
+  with no data movement; the tensor cores (or CUDA-core FMAs at M = 1) take it from there.
 * `scales` and `zeros` are `[groups, N]` floats in the activation dtype by default (integer
   zero points are exact in bf16/fp16); dequant is `w = (q − z)·s`. The zero point is not
-  pre-multiplied: the kernels fold `z` into the constant of the FMA that turns the 2^23
-  float bit pattern into the code, so `q − z` costs nothing extra, and the scale is applied
-  once per group and column (GEMV) or once per element (MMA).
-* Supported group sizes: per-channel, a multiple of 128, or a divisor of 128 that is a
-  multiple of W (16/32/64 for int4, 32/64 for int8), so every slot lies in one group. Others
-  keep `kernel_ok = False` and run through the torch reference.
+  pre-multiplied: it folds into the constant of the FMA above, so `q − z` costs nothing
+  extra, and when a group spans a whole tile the scale is applied once per output and tile.
+* Any group size that is a multiple of P (every WeightScheme group size) is supported; group
+  tails (K not a multiple of G) follow `g = k // G`.
 * Act-order (GPTQ `desc_act`): when `g_idx` is not `i // G` but sorting the columns by group
   gives `i // G`, the columns are stored in that sorted order and `perm` is kept; the forward
   pass gathers `x[..., perm]` first (one extra read of the activations, which is cheap next to
@@ -40,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quantlab.quant.packing import pack, unpack
 from quantlab.quant.primitives import QuantizedWeight, default_g_idx
 
 BLOCK_K = 128
@@ -49,7 +48,7 @@ BLOCK_K = 128
 class PackedWNA16:
     """Weight-only int4/int8 weights in the slot-interleaved layout (see module docstring)."""
 
-    qweight: torch.Tensor  # int32 [Kp * bits / 32, N]
+    qweight: torch.Tensor  # int32 [Kp * bits / 32, N], sequential codes along K
     scales: torch.Tensor  # [groups, N]
     zeros: torch.Tensor  # [groups, N], integer zero points stored as floats
     bits: int
@@ -60,13 +59,13 @@ class PackedWNA16:
 
     @property
     def words_per_block(self) -> int:
+        """Word rows per 128-wide K block."""
         return 4 * self.bits
 
     @property
     def kernel_ok(self) -> bool:
         """Whether the Triton kernels support this group size (else the reference runs)."""
-        g, w = self.group_size, self.words_per_block
-        return g is None or g % BLOCK_K == 0 or (BLOCK_K % g == 0 and g % w == 0)
+        return self.group_size is None or self.group_size % (32 // self.bits) == 0
 
     @property
     def group_constexpr(self) -> int:
@@ -127,25 +126,14 @@ def act_order_perm(g_idx: torch.Tensor, group_size: int | None) -> torch.Tensor 
     return perm
 
 
-def pack_slots(codes_kn: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes `[K, N]` (K a multiple of 128) → int32 `[K·bits/32, N]` in the slot layout."""
-    k, n = codes_kn.shape
-    w, slots = 4 * bits, 32 // bits
-    c = codes_kn.to(torch.int64).reshape(k // BLOCK_K, slots, w, n)  # [blocks, i, j, n]
-    shifts = (torch.arange(slots, dtype=torch.int64, device=c.device) * bits).view(1, slots, 1, 1)
-    words = (c << shifts).sum(dim=1)  # [blocks, j, n]
-    words = torch.where(words >= 2**31, words - 2**32, words)
-    return words.reshape(-1, n).to(torch.int32).contiguous()
+def pack_kn(codes_kn: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes `[K, N]` → int32 `[K·bits/32, N]`, sequential along K (quantlab.quant.packing)."""
+    return pack(codes_kn.t(), bits).t().contiguous()
 
 
-def unpack_slots(qweight: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of `pack_slots`: int32 `[Kp·bits/32, N]` → uint8 codes `[Kp, N]`."""
-    w, slots = 4 * bits, 32 // bits
-    rows, n = qweight.shape
-    words = qweight.to(torch.int64).reshape(rows // w, 1, w, n) & 0xFFFFFFFF
-    shifts = (torch.arange(slots, dtype=torch.int64, device=words.device) * bits).view(1, slots, 1, 1)
-    codes = (words >> shifts) & (2**bits - 1)  # [blocks, i, j, n]
-    return codes.reshape(-1, n).to(torch.uint8)
+def unpack_kn(qweight: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `pack_kn`: int32 `[K·bits/32, N]` → uint8 codes `[K, N]`."""
+    return unpack(qweight.t(), bits, qweight.shape[0] * (32 // bits)).t()
 
 
 def pack_wna16(qw: QuantizedWeight, dtype: torch.dtype = torch.bfloat16,
@@ -167,12 +155,12 @@ def pack_wna16(qw: QuantizedWeight, dtype: torch.dtype = torch.bfloat16,
     sd = scale_dtype or dtype
     scales = qw.scales.float().t().contiguous().to(sd)  # [groups, N]
     zeros = qw.zeros.float().t().contiguous().to(sd)
-    return PackedWNA16(pack_slots(codes_kn, bits), scales, zeros, bits, g, k, n, perm)
+    return PackedWNA16(pack_kn(codes_kn, bits), scales, zeros, bits, g, k, n, perm)
 
 
 def dequantize_wna16(p: PackedWNA16) -> torch.Tensor:
     """Float32 weight `[N, K]` in the ORIGINAL column order (what the layer computes)."""
-    codes = unpack_slots(p.qweight, p.bits)[: p.in_features].float()  # [K, N]
+    codes = unpack_kn(p.qweight, p.bits)[: p.in_features].float()  # [K, N]
     g = p.group_size or p.in_features
     gi = torch.arange(p.in_features, device=codes.device) // g
     w = (codes - p.zeros.float()[gi]) * p.scales.float()[gi]  # [K, N], stored (permuted) order

@@ -11,6 +11,8 @@ Requirements: K a multiple of 16 (TMA row strides are 16-byte aligned); contiguo
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -43,7 +45,10 @@ def _scaled_mm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, zc_ptr, rs_ptr, y_ptr,
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         a = a_desc.load([off_m, k * BLOCK_K])
         b = b_desc.load([off_n, k * BLOCK_K])
-        acc = tl.dot(a, b.T, acc)
+        if IS_INT:
+            acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
+        else:
+            acc = tl.dot(a, b.T, acc)
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
@@ -99,15 +104,21 @@ _SMALL = _autotuned(SMALL_M_CONFIGS)
 _LARGE = _autotuned(LARGE_M_CONFIGS)
 
 
+INTERPRET_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2)
+
+
 def _launch(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
             zc: torch.Tensor | None, rs: torch.Tensor | None, out_dtype: torch.dtype,
-            is_int: bool, config: dict | None) -> torch.Tensor:
+            is_int: bool, config: dict | None, out: torch.Tensor | None) -> torch.Tensor:
     m, k = a.shape
     n = b.shape[0]
     if k % 16:
         raise ValueError(f"K must be a multiple of 16 for the TMA kernels, got {k}")
     a, b = a.contiguous(), b.contiguous()
-    y = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    y = torch.empty(m, n, dtype=out_dtype, device=a.device) if out is None else out
+    assert y.shape == (m, n) and y.is_contiguous() and y.dtype == out_dtype
+    if config is None and os.environ.get("TRITON_INTERPRET", "0") == "1":
+        config = INTERPRET_CONFIG
     if m == 0:
         return y
     dummy = [8, 16]  # replaced by the config's block shape before launch
@@ -122,22 +133,25 @@ def _launch(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor
     if config is not None:
         meta = {kk: config[kk] for kk in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
         _set_blocks({"a_desc": a_desc, "b_desc": b_desc, **meta})
-        _scaled_mm_kernel[grid](*args, **flags, **meta,
-                                   num_warps=config.get("num_warps", 4),
-                                   num_stages=config.get("num_stages", 2))
+        _scaled_mm_kernel[grid](*args, **flags, **meta, num_warps=config.get("num_warps", 4),
+                                num_stages=config.get("num_stages", 2))
     else:
         (_SMALL if m <= 64 else _LARGE)[grid](*args, **flags)
     return y
 
 
 def w8a8_matmul(xq: torch.Tensor, sx: torch.Tensor, p: PackedW8A8,
-                out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None) -> torch.Tensor:
-    """int8 `xq [M, K]` with per-token scales `sx [M]` (or one `[1]`) × int8 weight → out_dtype."""
+                out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """int8 `xq [M, K]` with per-token scales `sx [M]` (or one `[1]`) × int8 weight → out_dtype.
+
+    An asymmetric weight zero point needs the activation row sums (one small torch reduction)."""
     rs = xq.sum(dim=1, dtype=torch.int32) if p.zc is not None else None
-    return _launch(xq, p.w, sx, p.scale, p.zc, rs, out_dtype, True, config)
+    return _launch(xq, p.w, sx, p.scale, p.zc, rs, out_dtype, True, config, out)
 
 
 def fp8_matmul(xq: torch.Tensor, sx: torch.Tensor, p: PackedFP8,
-               out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """FP8 `xq [M, K]` with scales `[M]` or `[1]` × FP8 weight (scale `[N]` or `[1]`)."""
-    return _launch(xq, p.w, sx, p.scale, None, None, out_dtype, False, config)
+    return _launch(xq, p.w, sx, p.scale, None, None, out_dtype, False, config, out)

@@ -283,12 +283,15 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
                 raise UserError(f"--set {key}: {part!r} is not an index of a {len(node)}-item list")
             part = int(part)
         elif not isinstance(node, dict):
-            raise UserError(f"--set {key}: {'.'.join(parts[:i])} is a value, not a mapping")
+            # e.g. `stages.0.rtn.weights.bits=8` over `weights: W8A16`: silently replacing the
+            # preset by {bits: 8} would drop its other fields, so refuse and say what to set.
+            raise UserError(f"--set {key}: {'.'.join(parts[:i])} is a value ({_short(node)}), not a "
+                            f"mapping; set it whole with --set {'.'.join(parts[:i])}=...")
         if last:
             node[part] = value
         else:
-            if isinstance(node, dict) and not isinstance(node.get(part), (dict, list)):
-                node[part] = {}
+            if isinstance(node, dict) and node.get(part) is None:
+                node[part] = {}  # absent or null: create the mapping the path goes through
             node = node[part]
 
 

@@ -14,7 +14,7 @@ from quantlab.models.arch import arch_spec_for
 from quantlab.quant.canonical import FORMAT, load_canonical, load_fake_quant_model, save_canonical
 from quantlab.quant.primitives import fake_quantize_weight, quantize_weight
 from quantlab.quant.scheme import WeightScheme
-from tests.conftest import tiny_model
+from conftest import tiny_model
 
 # A different scheme per Linear role: every bit width, sym/asym, per-channel, a group larger
 # than the input (up/gate: in 64, G 128) and a tail group (down: in 96, G 64 → 64 + 32).

@@ -16,7 +16,7 @@ import yaml
 from typer.testing import CliRunner
 
 from quantlab.cli import app
-from tests.conftest import REPO, WIKI_TEST, WIKI_TRAIN
+from conftest import REPO, WIKI_TEST, WIKI_TRAIN
 
 
 @pytest.fixture(scope="module")

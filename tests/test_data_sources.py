@@ -14,7 +14,7 @@ import pytest
 from quantlab.data.sources import check_source, load_documents
 from quantlab.errors import UserError
 from quantlab.recipe import DatasetSpec
-from tests.conftest import REPO, SHARED_DATA
+from conftest import REPO, SHARED_DATA
 
 ALPACA = SHARED_DATA / "chat_instruct" / "alpaca_en_demo_999.json"
 C4 = SHARED_DATA / "c4" / "c4_demo_300docs.jsonl"

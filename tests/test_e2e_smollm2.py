@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, WIKI_TEST, WIKI_TRAIN
+from conftest import REPO, WIKI_TEST, WIKI_TRAIN
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ def run_cli(recipe: str, run_dir: Path, cwd: Path) -> subprocess.CompletedProces
             "--set", f"evaluate.perplexity.dataset.source={WIKI_TEST}",
             "--set", f"evaluate.perplexity.max_windows={WINDOWS}",
             "--set", f"output.dir={run_dir}"]
-    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=1800,
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=7200,
                           env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
 
 

@@ -12,7 +12,7 @@ from quantlab.engine.sequential import LayerContext, capture_layer0_inputs, run_
 from quantlab.models.arch import arch_spec_for
 from quantlab.quant.primitives import QuantizedWeight, quantize_weight
 from quantlab.quant.scheme import WeightScheme
-from tests.conftest import tiny_model
+from conftest import tiny_model
 
 CPU = torch.device("cpu")
 FAMILIES = ("llama", "qwen2", "mistral")

@@ -65,3 +65,14 @@ def test_leading_dims_and_padding_are_preserved() -> None:
 def test_unsupported_bits_are_rejected(bits: int) -> None:
     with pytest.raises(ValueError, match="bits"):
         codes_per_word(bits)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_pack_stays_on_the_codes_device(bits: int) -> None:
+    """Codes on an accelerator pack there (no CPU-only helper tensors); `meta` stands in for
+    any non-CPU device."""
+    codes = torch.zeros(3, 37, dtype=torch.uint8, device="meta")
+    words = pack(codes, bits)
+    assert words.device.type == "meta" and words.shape == (3, -(-37 // (32 // bits)))
+    back = unpack(words, bits, 37)
+    assert back.device.type == "meta" and back.shape == (3, 37) and back.dtype == torch.uint8

@@ -10,7 +10,7 @@ import yaml
 from quantlab.errors import UserError
 from quantlab.quant.scheme import PRESETS, WeightScheme
 from quantlab.recipe import Recipe, dump_recipe, load_recipe, validate_recipe, yaml_path
-from tests.conftest import REPO
+from conftest import REPO
 
 SHIPPED = sorted((REPO / "recipes").glob("*.yaml"))
 
@@ -124,3 +124,20 @@ def test_resolved_dump_keeps_per_channel() -> None:
     assert raw["stages"] == [{"rtn": {"weights": PRESETS["W8A16"].model_dump(mode="json"), "ignore": []}}]
     assert raw["stages"][0]["rtn"]["weights"]["group_size"] is None
     assert validate_recipe(raw).stages[0].config.weights.group_size is None
+
+
+@pytest.mark.parametrize("override,needle", [
+    # a field of a preset: replacing "W8A16" by {bits: 4} would silently drop per-channel
+    ("stages.0.rtn.weights.bits=4", "--set stages.0.rtn.weights.bits: stages.0.rtn.weights is a value ('W8A16')"),
+    ("name.sub=1", "--set name.sub: name is a value ('r')"),
+])
+def test_override_through_a_scalar_is_refused(tmp_path: Path, override: str, needle: str) -> None:
+    raw = minimal() | {"stages": [{"rtn": {"weights": "W8A16"}}]}
+    with pytest.raises(UserError) as info:
+        load_recipe(write(tmp_path, raw), [override])
+    assert str(info.value).startswith(needle)
+
+
+def test_override_through_null_creates_the_mapping(tmp_path: Path) -> None:
+    raw = minimal() | {"output": None}
+    assert load_recipe(write(tmp_path, raw), ["output.dir=out"]).run_dir == Path("out")

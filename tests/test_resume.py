@@ -14,7 +14,7 @@ from quantlab import stages
 from quantlab.pipeline import run_recipe
 from quantlab.plan import build_plan
 from quantlab.recipe import Recipe, validate_recipe
-from tests.conftest import WIKI_TEST, WIKI_TRAIN
+from conftest import WIKI_TEST, WIKI_TRAIN
 
 ALL_STAGES = ["calibration", "evaluate_float", "quantize", "evaluate_quantized", "report"]
 
@@ -166,3 +166,20 @@ def test_content_keys_rerun_only_what_depends_on_a_change(tiny_model_dir, data_f
     per_channel = validate_recipe({**base, "stages": [{"rtn": {"weights": "W8A16"}}]})
     per_group = validate_recipe({**base, "stages": [{"rtn": {"weights": {"bits": 8, "group_size": 128}}}]})
     assert build_plan(per_channel)[2].key != build_plan(per_group)[2].key
+
+
+def test_too_little_evaluation_data_is_a_one_line_user_error(tiny_model_dir, data_files, tmp_path) -> None:
+    from quantlab.cli import app
+
+    short = tmp_path / "short.txt"
+    short.write_text("Only a handful of tokens here .\n")
+    raw = raw_recipe(tiny_model_dir, data_files, tmp_path / "run")
+    raw.pop("calibration")
+    raw["evaluate"]["perplexity"]["dataset"]["source"] = str(short)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    result = CliRunner().invoke(app, ["run", str(path)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines()[-1].startswith("error: evaluate.perplexity.seq_len: ")
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "run").exists()  # failed in the first stage: nothing to resume

@@ -8,7 +8,7 @@ import torch
 from quantlab.data.sampling import sample, tokenize_joined
 from quantlab.errors import UserError
 from quantlab.recipe import CalibrationSpec, DatasetSpec
-from tests.conftest import WIKI_TRAIN
+from conftest import WIKI_TRAIN
 
 STRATEGIES = ("random_windows", "concat_chunk", "per_document")
 

@@ -51,14 +51,15 @@ def main() -> int:
                                      "true_sequential", "method", "format", "offload_to_disk")}
         with timer.measure("load"):
             model = GPTQModel.load(args.model, config, device="cpu")
+        # The AUTO backend picks the CUDA AWQ GEMM kernel ("AWQ: CUDA is not available"): name the torch ones.
+        backend = BACKEND.GPTQ_TORCH if args.method == "gptq" else BACKEND.AWQ_TORCH
         with timer.measure("quantize"):
-            model.quantize(calibration, batch_size=1)
+            model.quantize(calibration, batch_size=1, backend=backend)
         save_dir = os.path.join(args.workdir, "checkpoint")
         with timer.measure("save"):
             model.save(save_dir)
         del model
         with timer.measure("reload"):
-            backend = BACKEND.GPTQ_TORCH if args.method == "gptq" else BACKEND.AWQ_TORCH
             model = GPTQModel.load(save_dir, device="cpu", backend=backend)
         result["kernel"] = sorted({type(m).__name__ for m in model.model.modules() if hasattr(m, "qweight")})
         with timer.measure("eval"):

@@ -39,6 +39,20 @@ def recipe(args):
     return [AWQModifier(), QuantizationModifier(config_groups=scheme(args), ignore=["lm_head"])]
 
 
+def cpu_only_workarounds() -> list[str]:
+    """llm-compressor 0.14 AWQ pins its cached activations (`tensor.pin_memory()`) before the
+    grid search, which raises "Cannot access accelerator device" on a machine with none.
+    Pinning only speeds up host-to-device copies, so on CPU it is skipped."""
+    import torch
+
+    if torch.accelerator.is_available():
+        return []
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
+    return ["patched IntermediatesCache.pin_memory to a no-op (pin_memory needs an accelerator)"]
+
+
 def main() -> int:
     args = _common.parse_args(__doc__.splitlines()[0])
     timer = _common.Timer()
@@ -55,6 +69,7 @@ def main() -> int:
         with timer.measure("load"):
             model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
             tokenizer = AutoTokenizer.from_pretrained(args.model)
+        result["workarounds"] = cpu_only_workarounds()
         modifiers = recipe(args)
         result["config"] = [repr(m)[:600] for m in modifiers]
         with timer.measure("quantize"):

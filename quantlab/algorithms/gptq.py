@@ -15,7 +15,9 @@ fake-quantized weights back group by group (`true_sequential`).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
@@ -125,75 +127,127 @@ def gptq_quantize(
     out_f, in_f = w.shape
     bits, sym = scheme.bits, scheme.symmetric
     size = in_f if scheme.group_size is None else scheme.group_size
-    w = w.detach().float().clone()
+    # Work on Wᵀ: column j of W is row j here, so every update touches contiguous memory.
+    wt = w.detach().float().T.contiguous()
     h = h.detach().float().clone()
 
     dead = torch.diagonal(h) == 0  # inputs that were always zero: nothing to fit
     h[dead, dead] = 1.0
-    w[:, dead] = 0.0
+    wt[dead] = 0.0
 
     if static_groups:
-        scales, zeros = compute_qparams(*group_ranges(w, scheme.group_size), bits, sym)
+        scales, zeros = compute_qparams(*group_ranges(wt.T, scheme.group_size), bits, sym)
+        st, zt = scales.T.contiguous(), zeros.T.contiguous()
     else:
-        scales = torch.zeros(out_f, num_groups(in_f, scheme.group_size), device=w.device)
-        zeros = torch.zeros_like(scales)
+        st = torch.zeros(num_groups(in_f, scheme.group_size), out_f, device=w.device)
+        zt = torch.zeros_like(st)
 
     perm = torch.argsort(torch.diagonal(h), descending=True) if act_order else None
     if perm is not None:
-        w, h = w[:, perm], h[perm][:, perm]
+        wt, h = wt[perm], h[perm][:, perm]
     order = perm if perm is not None else torch.arange(in_f, device=w.device)
     # Group of the column visited at each position: static groups follow the original
     # column, dynamic groups are contiguous runs of the visiting order.
     visit_group = (order if static_groups else torch.arange(in_f, device=w.device)) // size
 
     u, damp, retries = inverse_hessian_cholesky(h, damp_percent, max_retries)
-    q, loss = _gptq_blocks(w, u, scales, zeros, visit_group.tolist(), size, bits, sym, block_size,
-                           dynamic=not static_groups)
+    sweep = _Sweep(wt, u, st, zt, visit_group.tolist(), size, bits, sym, dynamic=not static_groups)
+    with _single_threaded(wt.device):
+        qt, loss = sweep.run(block_size)
     g_idx = visit_group
     if perm is not None:
         inverse = torch.argsort(perm)
-        q, g_idx = q[:, inverse], visit_group[inverse]
+        qt, g_idx = qt[inverse], visit_group[inverse]
     g_idx = g_idx.to(torch.int32)
-    codes = quantize(q, scales, zeros, g_idx, bits)  # exact: q is (code − zero) · scale
+    scales, zeros = st.T.contiguous(), zt.T.contiguous()
+    codes = quantize(qt.T, scales, zeros, g_idx, bits)  # exact: q is (code − zero) · scale
     qw = QuantizedWeight(codes, scales, zeros.to(torch.uint8), g_idx, scheme)
     return GptqResult(qw, damp, retries, loss)
 
 
-def _gptq_blocks(
-    w: torch.Tensor, u: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-    visit_group: list[int], size: int, bits: int, sym: bool, block_size: int, dynamic: bool,
-) -> tuple[torch.Tensor, float]:
-    """The column sweep (in visiting order). Fills `scales`/`zeros` in place for dynamic
-    groups; returns the fake-quantized weight and the loss estimate."""
-    in_f = w.shape[1]
-    q = torch.empty_like(w)
-    loss = 0.0
-    for b1 in range(0, in_f, block_size):
-        b2 = min(b1 + block_size, in_f)
-        w1 = w[:, b1:b2].clone()
-        err = torch.empty_like(w1)
-        u1 = u[b1:b2, b1:b2]
-        for i in range(b2 - b1):
-            col = b1 + i
-            g = visit_group[col]
-            if dynamic and col % size == 0:
-                # qparams from the group's current (error-updated) values: the rest of this
-                # block from w1; columns past the block still lack this block's pending
-                # update, so apply it to them here (only when a group straddles blocks).
-                span = w1[:, i : i + size]
-                if col + size > b2:
-                    beyond = w[:, b2 : col + size] - err[:, :i] @ u[b1:col, b2 : col + size]
-                    span = torch.cat([span, beyond], dim=1)
-                scales[:, g], zeros[:, g] = compute_qparams(span.amin(1), span.amax(1), bits, sym)
-            column = w1[:, i]
-            qcol = quantize_column(column, scales[:, g], zeros[:, g], bits)
-            q[:, col] = qcol
-            e = (column - qcol) / u1[i, i]
-            err[:, i] = e
-            w1[:, i + 1 :].addr_(e, u1[i, i + 1 :], alpha=-1.0)
-        w[:, b2:].addmm_(err, u[b1:b2, b2:], alpha=-1.0)
-        loss += 0.5 * err.pow(2).sum().item()
-    return q, loss
+@contextmanager
+def _single_threaded(device: torch.device) -> Iterator[None]:
+    """The sweep is thousands of tiny ops on one column each. On CPU, intra-op threads only
+    add fork/join cost to those, and under load a worker that is not scheduled stalls every
+    op (torch.round on 3k floats: 30 µs on one thread, 16 ms on two on a busy machine)."""
+    if device.type != "cpu":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+SUB_BLOCK = 16  # columns whose updates are applied one by one; larger spans go through GEMMs
+
+
+@dataclass
+class _Sweep:
+    """The column sweep over `wt = Wᵀ [in, out]` in visiting order, in place.
+
+    Lazy batch updates at two levels: inside a sub-block of ≤16 columns each quantized
+    column updates the rest of its sub-block (rank-1); a finished sub-block updates the rest
+    of its block, and a finished block everything after it, each with one GEMM. This is the
+    same arithmetic as the one-level scheme, reordered, but it keeps the per-column work tiny
+    (the one-level rank-1 update over a 128-column block dominated on CPU). Sub-blocks start
+    at multiples of the group size's divisor `sub`, so every group starts a sub-block.
+    """
+
+    wt: torch.Tensor
+    u: torch.Tensor
+    st: torch.Tensor  # scales [groups, out], filled here for dynamic groups
+    zt: torch.Tensor  # zeros  [groups, out]
+    visit_group: list[int]
+    size: int
+    bits: int
+    sym: bool
+    dynamic: bool
+
+    def run(self, block_size: int) -> tuple[torch.Tensor, float]:
+        n = self.wt.shape[0]
+        self.qt = torch.empty_like(self.wt)
+        self.errt = torch.empty_like(self.wt)  # (w − q) / U[j,j] per visited column
+        self.diag = torch.diagonal(self.u).tolist()
+        sub = min(SUB_BLOCK, self.size)
+        wt, u, errt = self.wt, self.u, self.errt
+        for b1 in range(0, n, block_size):
+            b2 = min(b1 + block_size, n)
+            cuts = sorted({b1, b2, *range((b1 // sub + 1) * sub, b2, sub)})
+            for s1, s2 in zip(cuts, cuts[1:]):
+                for col in range(s1, s2):
+                    self._column(col, s2, b1, b2)
+                if s2 < b2:
+                    wt[s2:b2].addmm_(u[s1:s2, s2:b2].T, errt[s1:s2], alpha=-1.0)
+            if b2 < n:
+                wt[b2:].addmm_(u[b1:b2, b2:].T, errt[b1:b2], alpha=-1.0)
+        return self.qt, 0.5 * errt.pow(2).sum().item()
+
+    def _column(self, col: int, s2: int, b1: int, b2: int) -> None:
+        g = self.visit_group[col]
+        if self.dynamic and col % self.size == 0:
+            self._group_qparams(g, col, b1, b2)
+        row = self.wt[col]
+        q = quantize_column(row, self.st[g], self.zt[g], self.bits)
+        self.qt[col] = q
+        e = self.errt[col]
+        torch.sub(row, q, out=e).div_(self.diag[col])
+        if col + 1 < s2:
+            self.wt[col + 1 : s2].addr_(self.u[col, col + 1 : s2], e, alpha=-1.0)
+
+    def _group_qparams(self, g: int, col: int, b1: int, b2: int) -> None:
+        """qparams of the group starting at `col` from its current (error-updated) values.
+        `col` starts a sub-block, so the rest of the block is current; columns past the
+        block still lack this block's pending update, applied here when the group reaches
+        them (group larger than what is left of the block)."""
+        end = min(col + self.size, self.wt.shape[0])
+        span = self.wt[col : min(end, b2)]
+        if end > b2:
+            beyond = self.wt[b2:end] - self.u[b1:col, b2:end].T @ self.errt[b1:col]
+            span = torch.cat([span, beyond])
+        self.st[g], self.zt[g] = compute_qparams(span.amin(0), span.amax(0), self.bits, self.sym)
 
 
 # --------------------------------------------------------------------------- engine adapter

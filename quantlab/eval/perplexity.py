@@ -16,6 +16,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from quantlab.errors import UserError
+
 
 @dataclass
 class PerplexityResult:
@@ -35,7 +37,9 @@ class PerplexityResult:
 def windows_of(stream: torch.Tensor, seq_len: int, max_windows: int | None) -> torch.Tensor:
     available = stream.numel() // seq_len
     if available == 0:
-        raise ValueError(f"evaluation data has {stream.numel()} tokens, fewer than one window of {seq_len}")
+        # Bad input, not a bug: one line naming the field, no traceback (UserError).
+        raise UserError(f"evaluate.perplexity.seq_len: the evaluation data has {stream.numel()} tokens, "
+                        f"fewer than one window of {seq_len}; lower seq_len or use a larger dataset")
     count = min(available, max_windows) if max_windows else available
     return stream[: count * seq_len].view(count, seq_len)
 

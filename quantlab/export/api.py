@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect as _inspect
 from pathlib import Path
 
 from quantlab.errors import UserError
@@ -24,7 +25,8 @@ def export(canonical: Path, out: Path, fmt: str, max_shard_bytes: int | None = N
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(out) as tmp:
         module.write(src, tmp, out, **options)
-        report = module.validate(tmp)
+        extra = {"source": src} if "source" in _inspect.signature(module.validate).parameters else {}
+        report = module.validate(tmp, **extra)
         report.path = str(out)
         report.raise_if_invalid()
     return report

@@ -10,6 +10,8 @@ Every format stores the same unsigned codes; only where the bits go differs:
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -27,7 +29,10 @@ def packed_len(n: int, bits: int) -> int:
 
 def pack_dense(values: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
     """Pack unsigned `values` (< 2**bits) along `dim` into int32 words, `ceil(n·b/32)` of them."""
-    v = values.movedim(dim, -1).to(torch.int64)
+    v = values.movedim(dim, -1)
+    if bits in (2, 4, 8) and sys.byteorder == "little":
+        return _pack_bytes(v, bits).movedim(-1, dim).contiguous()
+    v = v.to(torch.int64)
     n = v.shape[-1]
     pos = torch.arange(n, dtype=torch.int64) * bits  # first bit of each value
     word, shift = pos // 32, pos % 32
@@ -42,7 +47,10 @@ def pack_dense(values: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
 
 def unpack_dense(words: torch.Tensor, bits: int, n: int, dim: int = -1) -> torch.Tensor:
     """Inverse of `pack_dense`: `n` unsigned values (uint8 for bits <= 8) along `dim`."""
-    w = words.movedim(dim, -1).to(torch.int64) & 0xFFFFFFFF
+    w = words.movedim(dim, -1)
+    if bits in (2, 4, 8) and sys.byteorder == "little":
+        return _unpack_bytes(w, bits, n).movedim(-1, dim).contiguous()
+    w = w.to(torch.int64) & 0xFFFFFFFF
     w = torch.cat([w, torch.zeros_like(w[..., :1])], dim=-1)
     pos = torch.arange(n, dtype=torch.int64) * bits
     word, shift = pos // 32, pos % 32
@@ -52,23 +60,44 @@ def unpack_dense(words: torch.Tensor, bits: int, n: int, dim: int = -1) -> torch
     return v.to(torch.uint8 if bits <= 8 else torch.int32).movedim(-1, dim).contiguous()
 
 
+def _pack_bytes(v: torch.Tensor, bits: int) -> torch.Tensor:
+    """Fast path for 2/4/8 bits: values never straddle a byte, and a little-endian int32 is its
+    four bytes in order, so bit `j·b` of the run is bit `(j·b) % 8` of byte `j·b // 8`."""
+    per_byte, per_word = 8 // bits, 32 // bits
+    n = v.shape[-1]
+    pad = -n % per_word
+    u = v.to(torch.uint8)
+    if pad:
+        u = torch.nn.functional.pad(u, (0, pad))
+    u = u.reshape(*u.shape[:-1], -1, per_byte)
+    byte = u[..., 0].clone()
+    for j in range(1, per_byte):
+        byte |= u[..., j] << (bits * j)
+    return byte.contiguous().view(torch.int32)
+
+
+def _unpack_bytes(w: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    per_byte = 8 // bits
+    b = w.contiguous().view(torch.uint8)
+    mask = 2**bits - 1
+    parts = [(b >> (bits * j)) & mask for j in range(per_byte)]
+    return torch.stack(parts, dim=-1).reshape(*b.shape[:-1], -1)[..., :n]
+
+
 def pack_awq(values: torch.Tensor) -> torch.Tensor:
     """AutoAWQ GEMM: 4-bit values `[rows, n]` → int32 `[rows, n/8]`, interleaved order."""
     rows, n = values.shape
     if n % 8:
         raise ValueError(f"AWQ packs 8 columns per word; {n} is not a multiple of 8")
-    v = values.to(torch.int64).reshape(rows, n // 8, 8)[..., list(AWQ_ORDER)]
-    shifts = torch.arange(8, dtype=torch.int64) * 4
-    return _to_int32((v << shifts).sum(-1))
+    order = torch.tensor(AWQ_ORDER)
+    interleaved = values.reshape(rows, n // 8, 8)[..., order].reshape(rows, n)  # nibble k ← column ORDER[k]
+    return pack_dense(interleaved, 4)
 
 
 def unpack_awq(words: torch.Tensor) -> torch.Tensor:
     rows, n_words = words.shape
-    w = words.to(torch.int64) & 0xFFFFFFFF
-    nibbles = (w.unsqueeze(-1) >> (torch.arange(8, dtype=torch.int64) * 4)) & 0xF
-    out = torch.empty_like(nibbles)
-    out[..., list(AWQ_ORDER)] = nibbles  # nibble k holds column ORDER[k]
-    return out.reshape(rows, n_words * 8).to(torch.uint8)
+    nibbles = unpack_dense(words, 4, n_words * 8).reshape(rows, n_words, 8)
+    return nibbles[..., torch.argsort(torch.tensor(AWQ_ORDER))].reshape(rows, n_words * 8)
 
 
 def pack_int4_pairs(signed: torch.Tensor) -> torch.Tensor:

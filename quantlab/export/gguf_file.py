@@ -302,11 +302,11 @@ def metadata(reader: Any) -> dict[str, Any]:
     return out
 
 
-def read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def read(path: Path, reader: Any = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Dequantized float tensors under their Hugging Face names (Q/K un-permuted), and metadata."""
     import gguf
 
-    reader = gguf.GGUFReader(gguf_path(path))
+    reader = reader or gguf.GGUFReader(gguf_path(path))
     meta = metadata(reader)
     arch = meta["general.architecture"]
     config = {"model_type": arch, "num_hidden_layers": meta[f"{arch}.block_count"],
@@ -345,7 +345,8 @@ REQUIRED_KEYS = ("context_length", "embedding_length", "block_count", "feed_forw
                  "rope.freq_base", "rope.dimension_count")
 
 
-def validate(path: Path) -> Report:
+def validate(path: Path, source: Canonical | None = None) -> Report:
+    """`source`: the canonical form, when the caller already has it loaded."""
     import gguf
 
     report = Report(NAME, str(path))
@@ -406,22 +407,22 @@ def validate(path: Path) -> Report:
         encodings = Counter(m["encoding"] for m in side.get("modules", {}).values())
         report.facts["quantized Linears"] = ", ".join(f"{n} {e}" for e, n in sorted(encodings.items()))
     if report.ok:
-        check_against_source(report, path)
+        check_against_source(report, path, reader, source)
     return report
 
 
-def check_against_source(report: Report, path: Path) -> None:
+def check_against_source(report: Report, path: Path, reader: Any, src: Canonical | None) -> None:
     """Decoded weights equal what the writer derives from the canonical form (proves names,
     the Q/K permutation and block packing)."""
     from quantlab.export.source import load_source
 
     source = sidecar_source(path)
     side = read_sidecar(path)
-    if source is None or side is None:
+    if (source is None and src is None) or side is None:
         report.skip("decoded weights", "canonical source not reachable from quantlab_export.json")
         return
-    src = load_source(source)
-    floats, _ = read(path)
+    src = src or load_source(source)
+    floats, _ = read(path, reader)
     qtype = side["options"]["type"]
     for module, info in side["modules"].items():
         qw = src.quantized.get(module)

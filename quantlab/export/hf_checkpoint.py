@@ -20,6 +20,7 @@ from quantlab.models.arch import ARCH_SPECS
 from quantlab.quant.primitives import QuantizedWeight
 
 QuantTensors = Callable[[str, QuantizedWeight], dict[str, torch.Tensor]]
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def write_checkpoint(src: Canonical, tmp: Path, final: Path, fmt: str, quant_tensors: QuantTensors,
@@ -52,12 +53,6 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise UserError(str(exc)) from None
 
 
-def split_quantized(tensors: dict[str, torch.Tensor], marker: str) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Float tensors and the Linear names that carry `<name>.<marker>`."""
-    linears = sorted(k.removesuffix(f".{marker}") for k in tensors if k.endswith(f".{marker}"))
-    return tensors, linears
-
-
 def check_layout(report: Report, path: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
                  skip: set[str], per_linear: Callable[[str, int, int], None]) -> list[str]:
     """Names every Linear the config implies, checks its quantized tensors through `per_linear`
@@ -88,8 +83,6 @@ def check_layout(report: Report, path: Path, config: dict[str, Any], tensors: di
     report.facts["quantized Linears"] = len(expected)
     return expected
 
-
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def check_bias(report: Report, tensors: dict[str, torch.Tensor], config: dict[str, Any], name: str, out_f: int) -> None:

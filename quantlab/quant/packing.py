@@ -27,7 +27,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if pad:
         c = torch.nn.functional.pad(c, (0, pad))
     c = c.reshape(*codes.shape[:-1], -1, per)
-    shifts = torch.arange(per, dtype=torch.int64) * bits
+    shifts = torch.arange(per, dtype=torch.int64, device=codes.device) * bits  # codes may be on GPU
     words = (c << shifts).sum(dim=-1)
     # Reinterpret the unsigned 32-bit value as int32 (two's complement).
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
@@ -37,6 +37,6 @@ def unpack(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of `pack`: int32 `[..., w]` back to uint8 codes `[..., n]`."""
     per = codes_per_word(bits)
     w = words.to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(per, dtype=torch.int64) * bits
+    shifts = torch.arange(per, dtype=torch.int64, device=words.device) * bits
     c = (w.unsqueeze(-1) >> shifts) & (2**bits - 1)
     return c.reshape(*words.shape[:-1], -1)[..., :n].to(torch.uint8)

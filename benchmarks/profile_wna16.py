@@ -1,0 +1,53 @@
+"""Run one WNA16 kernel launch per variant with fixed configs (no autotuning), for Nsight Compute:
+
+    ncu --kernel-name regex:'wna16|int4' --launch-skip 1 --launch-count 1 --section ... \\
+        python benchmarks/profile_wna16.py --which fma
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gemm import GROUP, _import_kernels, tinygemm_pack  # noqa: E402
+
+VARIANTS = {
+    "fma": (1, "fma", dict(BLOCK_N=128, SPLIT_K=16, R=8, num_warps=1, num_stages=1)),
+    "gemv": (16, "gemv", dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=4, SWAP=True, FOLD=True, num_warps=4,
+                              num_stages=3)),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--which", default="fma", choices=[*VARIANTS, "tinygemm"])
+    ap.add_argument("--k", type=int, default=3584)
+    ap.add_argument("--n", type=int, default=18944)
+    args = ap.parse_args()
+    qk = _import_kernels()
+    from quantlab.kernels.triton_wna16 import wna16_matmul
+    from quantlab.quant.primitives import quantize_weight
+    from quantlab.quant.scheme import WeightScheme
+
+    w = torch.randn(args.n, args.k, device="cuda") * 0.02
+    q4 = quantize_weight(w, WeightScheme(bits=4, symmetric=False, group_size=GROUP))
+    if args.which == "tinygemm":
+        x = torch.randn(1, args.k, device="cuda", dtype=torch.bfloat16)
+        packed, sz = tinygemm_pack(q4.codes, q4.scales, q4.zeros, x.dtype, True)
+        for _ in range(3):
+            torch.ops.aten._weight_int4pack_mm(x, packed, GROUP, sz)
+    else:
+        m, impl, cfg = VARIANTS[args.which]
+        p = qk.pack_wna16(q4, torch.bfloat16)
+        x = torch.randn(m, args.k, device="cuda", dtype=torch.bfloat16)
+        for _ in range(3):
+            wna16_matmul(x, p, impl=impl, config=cfg)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()

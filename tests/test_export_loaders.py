@@ -1,0 +1,153 @@
+"""Exports loaded by real third-party loaders, compared with quantlab's fake-quant model of the
+same canonical form.
+
+* GGUF through transformers' GGUF loader (its own dequantizer, name map and Q/K un-permute).
+* compressed-tensors through transformers + compressed-tensors (needs `compressed_tensors`;
+  symmetric W4A16 — transformers 5.23 + compressed-tensors 0.19/0.20 cannot load asymmetric
+  pack-quantized checkpoints at all: it builds unpacked `weight_zero_point` placeholders and
+  rejects the packed ones llm-compressor writes, llm-compressor issue #1618 — so the
+  asymmetric layout is checked against compressed-tensors' own decompressor instead).
+* AWQ through transformers + gptqmodel, GPTQ through `GPTQModel.load` (needs `gptqmodel`;
+  transformers' GPTQ path additionally needs optimum).
+Tests for a missing optional loader are skipped by importorskip.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantlab.export import api
+from quantlab.quant.canonical import load_canonical, load_fake_quant_model
+from quantlab.quant.scheme import WeightScheme
+from test_export_helpers import make_canonical
+
+ASYM = WeightScheme(bits=4, symmetric=False, group_size=32)
+SYM = WeightScheme(bits=4, symmetric=True, group_size=64)
+
+
+def sample_ids(batch: int = 2, seq: int = 24) -> torch.Tensor:
+    return torch.randint(0, 512, (batch, seq), generator=torch.Generator().manual_seed(0))
+
+
+@torch.no_grad()
+def logits(model, ids) -> torch.Tensor:
+    return model(ids).logits.float()
+
+
+# ----------------------------------------------------------------------------- GGUF / transformers
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize("qtype", ["f16", "q4_0"])
+def test_gguf_loads_in_transformers(tmp_path, tokenizer, model_type, qtype):
+    pytest.importorskip("gguf")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantlab.export import gguf_file
+
+    canonical = make_canonical(tmp_path, tokenizer, model_type, SYM)
+    out = tmp_path / "gguf"
+    api.export(canonical, out, f"gguf-{qtype}")
+    fname = next(out.glob("*.gguf")).name
+    loaded = AutoModelForCausalLM.from_pretrained(out, gguf_file=fname, dtype=torch.float32).eval()
+    ids = sample_ids()
+    got = logits(loaded, ids)
+    # 1. exactly the weights our reader decodes: same names, same Q/K un-permutation
+    ours = load_fake_quant_model(canonical)
+    floats, _ = gguf_file.read(out)
+    missing, unexpected = ours.load_state_dict(floats, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    ours.tie_weights()
+    assert torch.allclose(got, logits(ours, ids), atol=1e-5, rtol=0), qtype
+    # 2. close to the canonical fake-quant model (f16 rounding; q4_0 adds the Q8_0 embedding)
+    ref = logits(load_fake_quant_model(canonical), ids)
+    tol = {"f16": 2e-3, "q4_0": 3e-2}[qtype] * float(ref.abs().max())
+    assert float((got - ref).abs().max()) < tol
+    if model_type == "llama":  # transformers rebuilds a GPT-2 BPE tokenizer from the GGUF vocab
+        tok = AutoTokenizer.from_pretrained(out, gguf_file=fname)
+        text = "The quick brown fox, in 1987, jumped over 42 lazy dogs!<|endoftext|>"
+        assert tok(text)["input_ids"] == tokenizer(text)["input_ids"]
+
+
+# ----------------------------------------------------------------------------- compressed-tensors
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_compressed_tensors_loads_in_transformers(tmp_path, tokenizer, model_type):
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM
+
+    canonical = make_canonical(tmp_path, tokenizer, model_type, SYM)
+    out = tmp_path / "ct"
+    api.export(canonical, out, "compressed-tensors")
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = sample_ids()
+    ref = logits(load_fake_quant_model(canonical), ids)
+    assert torch.allclose(logits(loaded, ids), ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("scheme", [ASYM, SYM, WeightScheme(bits=8, symmetric=False, group_size=None)],
+                         ids=lambda s: s.name)
+def test_compressed_tensors_decompressor_reads_the_layout(tmp_path, tokenizer, scheme):
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    from quantlab.export.hf_checkpoint import load_tensors, read_config
+
+    canonical = make_canonical(tmp_path, tokenizer, "llama", scheme)
+    out = tmp_path / "ct"
+    api.export(canonical, out, "compressed-tensors")
+    qcfg = QuantizationConfig.model_validate(read_config(out)["quantization_config"])
+    group = qcfg.config_groups["group_0"]
+    tensors = load_tensors(out)
+    _, ref = load_canonical(canonical)
+    for name, qw in ref.items():
+        local = {k.removeprefix(f"{name}."): v for k, v in tensors.items() if k.startswith(f"{name}.")}
+        local = {k: v for k, v in local.items() if k != "bias"}
+        weight = PackedQuantizationCompressor.decompress(local, group)["weight"]
+        assert torch.equal(weight.float(), qw.dequantize()), name
+
+
+# ----------------------------------------------------------------------------- gptqmodel
+
+
+def gptqmodel_or_skip():
+    return pytest.importorskip("gptqmodel")
+
+
+def assert_close_fp16(got: torch.Tensor, canonical) -> None:
+    ref = logits(load_fake_quant_model(canonical, dtype=torch.float16), sample_ids())
+    # both sides run in fp16: differences are accumulation order, far below a wrong weight's
+    assert float((got - ref).abs().max()) < 1e-2 * float(ref.abs().max())
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize("scheme", [ASYM, SYM], ids=["asym", "sym"])
+def test_awq_loads_with_gptqmodel(tmp_path, tokenizer, model_type, scheme):
+    gptqmodel_or_skip()
+    from transformers import AutoModelForCausalLM
+
+    canonical = make_canonical(tmp_path, tokenizer, model_type, scheme)
+    out = tmp_path / "awq"
+    api.export(canonical, out, "awq")
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float16, device_map="cpu").eval()
+    assert "Awq" in type(loaded.model.layers[0].self_attn.q_proj).__name__
+    assert_close_fp16(logits(loaded, sample_ids()), canonical)
+
+
+@pytest.mark.parametrize("case", ["sym", "asym", "act_order", "tail"])
+def test_gptq_loads_with_gptqmodel(tmp_path, tokenizer, case):
+    gptqmodel_or_skip()
+    from gptqmodel import BACKEND, GPTQModel
+
+    kwargs = {"sym": dict(scheme=SYM), "asym": dict(scheme=ASYM), "act_order": dict(scheme=ASYM, act_order=True),
+              "tail": dict(scheme=ASYM, hidden_size=80, intermediate_size=160)}[case]
+    canonical = make_canonical(tmp_path, tokenizer, "qwen2" if case == "sym" else "llama", **kwargs)
+    out = tmp_path / "gptq"
+    api.export(canonical, out, "gptq")
+    # the default CPU kernel (aten int4pack) needs G | in; the plain torch kernel takes tails
+    backend = BACKEND.GPTQ_TORCH if case == "tail" else BACKEND.AUTO
+    loaded = GPTQModel.load(str(out), device="cpu", dtype=torch.float16, backend=backend)
+    assert_close_fp16(logits(loaded.model, sample_ids()), canonical)

@@ -1,0 +1,54 @@
+"""The `export` recipe field and run stage: formats land in run_dir/export/<format>/, the stage
+key follows the quantized model and the format list, and bad names are recipe errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from quantlab.errors import UserError
+from quantlab.export import api
+from quantlab.pipeline import run_recipe
+from quantlab.plan import build_plan
+from quantlab.recipe import validate_recipe
+
+
+def raw(model_dir, run_dir, export):
+    return {"name": "export_test", "seed": 0, "device": "cpu", "model": {"id": str(model_dir)},
+            "stages": [{"rtn": {"weights": {"bits": 4, "symmetric": True, "group_size": 32}}}],
+            "export": export, "output": {"dir": str(run_dir)}}
+
+
+def test_export_stage_writes_each_format(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    recipe = validate_recipe(raw(tiny_model_dir, run_dir, ["gptq", "gguf-q4_0"]))
+    names = [s.name for s in build_plan(recipe)]
+    assert names.index("export") == names.index("quantize") + 1
+    run_recipe(recipe)
+    for fmt in ("gptq", "gguf-q4_0"):
+        assert api.inspect(run_dir / "export" / fmt).ok
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["stages"]["export"]["outputs"] == ["export/gptq", "export/gguf-q4_0"]
+    side = json.loads((run_dir / "export" / "gptq" / "quantlab_export.json").read_text())
+    assert side["source"] == "../../quantized"
+
+    # another format reruns export only; the quantized model is reused
+    more = validate_recipe(raw(tiny_model_dir, run_dir, ["gptq", "gguf-q4_0", "awq"]))
+    keys = {s.name: s.key for s in build_plan(more)}
+    assert keys["quantize"] == {s.name: s.key for s in build_plan(recipe)}["quantize"]
+    run_recipe(more)
+    again = json.loads((run_dir / "manifest.json").read_text())
+    assert again["stages"]["quantize"]["finished"] == manifest["stages"]["quantize"]["finished"]
+    assert again["stages"]["export"]["key"] == keys["export"] != manifest["stages"]["export"]["key"]
+    assert api.inspect(run_dir / "export" / "awq").ok
+
+
+def test_no_export_by_default(tiny_model_dir, tmp_path):
+    recipe = validate_recipe({k: v for k, v in raw(tiny_model_dir, tmp_path, []).items() if k != "export"})
+    assert recipe.export == [] and "export" not in [s.name for s in build_plan(recipe)]
+
+
+def test_unknown_format_is_a_recipe_error(tiny_model_dir, tmp_path):
+    with pytest.raises(UserError, match=r"export\[1\]: got 'onnx'.*'awq'"):
+        validate_recipe(raw(tiny_model_dir, tmp_path, ["gptq", "onnx"]))

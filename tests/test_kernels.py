@@ -1,0 +1,250 @@
+"""GEMM kernels (quantlab.kernels) against their torch references.
+
+The Triton kernels run on the CPU through the Triton interpreter (TRITON_INTERPRET=1, set
+below before any triton import; CI has no GPU), at small odd shapes: M, N and K are not tile
+multiples (K is any size for WNA16 — the packed weight pads K to 128 — and a multiple of 16 for
+the TMA-based W8A8/FP8 kernels). They need the `triton` package (dev extra); without it those
+tests are reported as skipped with that reason, and the reference/layout tests still run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from quantlab.kernels import layout, ops, reference  # noqa: E402
+from quantlab.quant.primitives import QuantizedWeight, quantize_weight  # noqa: E402
+from quantlab.quant.scheme import WeightScheme  # noqa: E402
+
+# The interpreter implements the kernels' uint32 bitcast with a numpy cast that warns on wrap.
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+
+needs_triton = pytest.mark.skipif(
+    not ops.triton_installed(),
+    reason="triton is not installed (add it to the dev extra): Triton kernels untested here")
+
+# ‖y − ref‖/‖ref‖ bounds. Both sides are rounded to the output dtype, and the interpreter
+# rounds f32→bf16 by truncation, so bf16 gets ~2 ulps; fp16 outputs are rounded to nearest.
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(y).all(), "non-finite output (unwritten element?)"
+    return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def canonical(n: int, k: int, bits: int, group: int | None, symmetric: bool = False,
+              seed: int = 0) -> QuantizedWeight:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    return quantize_weight(w, WeightScheme(bits=bits, symmetric=symmetric, group_size=group))
+
+
+def act_order(qw: QuantizedWeight, seed: int = 1) -> QuantizedWeight:
+    """The same weight with its input columns shuffled: g_idx becomes a permutation of i // G."""
+    perm = torch.randperm(qw.codes.shape[1], generator=torch.Generator().manual_seed(seed))
+    return QuantizedWeight(qw.codes[:, perm], qw.scales, qw.zeros, qw.g_idx[perm], qw.scheme)
+
+
+# ------------------------------------------------------------------------------------------
+# Layout and reference paths (no triton needed)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pack_kn_roundtrip(bits):
+    codes = torch.randint(0, 2**bits, (256, 40), dtype=torch.uint8)
+    words = layout.pack_kn(codes, bits)
+    assert words.shape == (256 * bits // 32, 40) and words.dtype == torch.int32
+    assert torch.equal(layout.unpack_kn(words, bits), codes)
+    # word row r, column n holds k = r·P … r·P + P−1, lowest bits first
+    p = 32 // bits
+    assert (words[0, 3].item() & (2**bits - 1)) == codes[0, 3].item()
+    assert ((words[0, 3].item() >> bits) & (2**bits - 1)) == codes[1, 3].item()
+    assert ((words[1, 3].item()) & (2**bits - 1)) == codes[p, 3].item()
+
+
+@pytest.mark.parametrize("bits,group,symmetric", [(4, 128, False), (4, 32, True), (4, None, False),
+                                                  (8, None, True), (8, 64, False)])
+def test_dequantize_matches_canonical(bits, group, symmetric):
+    qw = canonical(24, 300, bits, group, symmetric)  # 300: K pad and a short tail group
+    exact = layout.pack_wna16(qw, torch.bfloat16, scale_dtype=torch.float32)
+    assert exact.qweight.shape == (384 * bits // 32, 24)
+    assert torch.allclose(layout.dequantize_wna16(exact), qw.dequantize(), rtol=0, atol=1e-6)
+    rounded = layout.pack_wna16(qw, torch.bfloat16)  # bf16 scales: one rounding per scale
+    assert rel_err(layout.dequantize_wna16(rounded), qw.dequantize()) < 4e-3
+
+
+def test_act_order_is_repacked_as_a_column_gather():
+    qw = act_order(canonical(16, 256, 4, 64))
+    p = layout.pack_wna16(qw, torch.float16, scale_dtype=torch.float32)
+    assert p.perm is not None
+    assert torch.allclose(layout.dequantize_wna16(p), qw.dequantize(), atol=1e-6)
+    x = torch.randn(3, 256).half()
+    assert rel_err(reference.wna16_mm(x, p), x.float() @ qw.dequantize().t()) < 2e-3
+
+
+def test_act_order_rejects_non_permutation_gidx():
+    qw = canonical(8, 256, 4, 64)
+    bad = qw.g_idx.clone()
+    bad[:70] = 0  # group 0 now has 70 members
+    with pytest.raises(ValueError, match="g_idx"):
+        layout.pack_wna16(QuantizedWeight(qw.codes, qw.scales, qw.zeros, bad, qw.scheme))
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_w8a8_reference_is_exact_integer_math(symmetric):
+    qw = canonical(24, 96, 8, None, symmetric)
+    p = layout.pack_w8a8(qw)
+    assert (p.zc is None) == symmetric
+    x = torch.randn(5, 96)
+    xq, sx = reference.quantize_act_int8(x)
+    assert xq.dtype == torch.int8 and xq.abs().max() <= 127
+    expect = (xq.double() * sx.double()[:, None]) @ qw.dequantize().double().t()
+    y = reference.w8a8_mm(xq, sx, p, torch.float32)
+    assert torch.allclose(y.double(), expect, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("per_row", [True, False])
+def test_fp8_reference(per_row):
+    w = torch.randn(24, 64)
+    p = layout.quantize_fp8_weight(w, per_row)
+    assert p.scale.numel() == (24 if per_row else 1)
+    x = torch.randn(5, 64)
+    xq, sx = reference.quantize_act_fp8(x, per_row)
+    y = reference.fp8_mm(xq, sx, p, torch.float32)
+    expect = (xq.float() * (sx[:, None] if per_row else sx)) @ (p.w.float() * p.scale.reshape(-1, 1)).t()
+    assert torch.allclose(y, expect, rtol=1e-5, atol=1e-5)
+    assert rel_err(y, x @ w.t()) < 0.08  # e4m3 keeps 3 mantissa bits per operand
+
+
+def test_pack_fp8_from_canonical():
+    w = torch.randn(16, 64)
+    for scheme in (WeightScheme(type="float", bits=8, group_size=None),
+                   WeightScheme(type="float", bits=8, group_size=None, per_tensor=True)):
+        qw = quantize_weight(w, scheme)
+        p = layout.pack_fp8(qw)
+        assert p.scale.numel() == (1 if scheme.per_tensor else 16)
+        assert torch.allclose(p.w.float() * p.scale.reshape(-1, 1), qw.dequantize(), atol=1e-6)
+
+
+def test_dispatch_falls_back_to_reference_without_triton(monkeypatch):
+    qw = canonical(40, 200, 4, 64)
+    p = layout.pack_wna16(qw, torch.float16)
+    x = torch.randn(2, 3, 200).half()
+    bias = torch.randn(40).half()
+    monkeypatch.setattr(ops, "use_triton", lambda *a, **k: False)
+    y = ops.wna16_linear(x, p, bias)
+    assert y.shape == (2, 3, 40)
+    ref = reference.wna16_mm(x.reshape(6, 200), p).reshape(2, 3, 40) + bias
+    assert torch.equal(y, ref)
+
+
+# ------------------------------------------------------------------------------------------
+# Triton kernels through the interpreter
+
+WNA16_CASES = [  # bits, group, impl, config (None = the interpreter default), dtype
+    (4, 128, "fma", None, torch.float16),
+    (4, 32, "fma", dict(BLOCK_N=64, SPLIT_K=1, R=4), torch.bfloat16),
+    (8, None, "fma", None, torch.float16),
+    (4, 128, "gemv", dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=2, SWAP=True, FOLD=True, JOIN=True),
+     torch.bfloat16),
+    (4, 64, "gemv", dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=2, SWAP=False, FOLD=True, JOIN=False),
+     torch.float16),
+    (4, None, "gemv", None, torch.float16),
+    (8, 64, "mid", dict(BLOCK_M=32, BLOCK_N=32, SPLIT_K=1, SWAP=True, FOLD=True, JOIN=False),
+     torch.float16),
+    (8, 256, "tiled", None, torch.bfloat16),
+    (4, 128, "tiled", dict(BLOCK_M=32, BLOCK_N=32, SPLIT_K=1, SWAP=True, FOLD=False, JOIN=True),
+     torch.float16),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("bits,group,impl,config,dtype", WNA16_CASES)
+def test_wna16_kernel_matches_reference(bits, group, impl, config, dtype):
+    from quantlab.kernels.triton_wna16 import wna16_matmul
+
+    m = 1 if impl == "fma" else 3 if impl == "gemv" else 37
+    qw = canonical(72, 300, bits, group, seed=bits + (group or 0))  # N, K: no tile multiples
+    p = layout.pack_wna16(qw, dtype)
+    x = torch.randn(m, 300).to(dtype)
+    out = torch.full((m, 72), float("nan"), dtype=dtype)
+    y = wna16_matmul(x, p, impl=impl, config=config, out=out)
+    assert y is out
+    assert rel_err(y, reference.wna16_mm(x, p)) < TOL[dtype]
+
+
+@needs_triton
+def test_wna16_split_k_workspace_is_left_clean():
+    """The last split re-zeroes the shared workspace and counters: a second call (other data,
+    same buffers) must be right too, and the buffers must be zero afterwards."""
+    from quantlab.kernels import triton_wna16 as tw
+
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=3, SWAP=False, FOLD=True, JOIN=True)
+    qw = canonical(40, 384, 4, 128)
+    p = layout.pack_wna16(qw, torch.float16)
+    for seed in (0, 1):
+        x = torch.randn(2, 384, generator=torch.Generator().manual_seed(seed)).half()
+        y = tw.wna16_matmul(x, p, impl="gemv", config=cfg)
+        assert rel_err(y, reference.wna16_mm(x, p)) < TOL[torch.float16]
+    for buf in tw._WORKSPACE.values():
+        assert not buf.any()
+
+
+@needs_triton
+def test_wna16_act_order_kernel():
+    from quantlab.kernels.triton_wna16 import wna16_matmul
+
+    qw = act_order(canonical(40, 256, 4, 64))
+    p = layout.pack_wna16(qw, torch.float16)
+    x = torch.randn(2, 256).half()
+    y = wna16_matmul(x, p, impl="gemv")
+    assert rel_err(y, x.float() @ qw.dequantize().t()) < 3e-3
+
+
+@needs_triton
+@pytest.mark.parametrize("m", [1, 37])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_w8a8_kernel_matches_reference(m, symmetric):
+    from quantlab.kernels.triton_scaled import w8a8_matmul
+
+    qw = canonical(72, 96, 8, None, symmetric)
+    p = layout.pack_w8a8(qw)
+    xq, sx = reference.quantize_act_int8(torch.randn(m, 96))
+    out = torch.full((m, 72), float("nan"), dtype=torch.float16)
+    y = w8a8_matmul(xq, sx, p, torch.float16, out=out)
+    assert rel_err(y, reference.w8a8_mm(xq, sx, p, torch.float16)) < TOL[torch.float16]
+
+
+@needs_triton
+@pytest.mark.parametrize("per_row", [True, False])
+def test_fp8_kernel_matches_reference(per_row):
+    from quantlab.kernels.triton_scaled import fp8_matmul
+
+    p = layout.quantize_fp8_weight(torch.randn(72, 96), per_row)
+    xq, sx = reference.quantize_act_fp8(torch.randn(37, 96), per_row)
+    out = torch.full((37, 72), float("nan"), dtype=torch.bfloat16)
+    y = fp8_matmul(xq, sx, p, torch.bfloat16, out=out)
+    assert rel_err(y, reference.fp8_mm(xq, sx, p, torch.bfloat16)) < TOL[torch.bfloat16]
+
+
+@needs_triton
+def test_linear_entry_points_use_the_kernels():
+    """ops.* take the Triton path under the interpreter and match the float computation."""
+    assert ops.use_triton(torch.zeros(1)), "interpreter mode should route CPU tensors to Triton"
+    x = torch.randn(2, 5, 96)
+    qw = canonical(48, 96, 4, 32)
+    y = ops.wna16_linear(x.half(), layout.pack_wna16(qw, torch.float16))
+    assert y.shape == (2, 5, 48)
+    assert rel_err(y, x @ qw.dequantize().t()) < 3e-3
+    w = torch.randn(48, 96)
+    y8 = ops.w8a8_linear(x, layout.quantize_int8_weight(w))
+    assert rel_err(y8, x @ w.t()) < 0.02  # int8 activations and weights
+    yf = ops.fp8_linear(x, layout.quantize_fp8_weight(w))
+    assert rel_err(yf, x @ w.t()) < 0.08  # e4m3
