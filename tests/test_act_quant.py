@@ -16,7 +16,7 @@ from quantlab.quant.primitives import quantize_weight
 from quantlab.quant.scheme import PRESETS, ActivationScheme, WeightScheme
 from quantlab.recipe import validate_recipe
 from quantlab.errors import UserError
-from tests.conftest import WIKI_TEST, WIKI_TRAIN, tiny_model
+from conftest import WIKI_TEST, WIKI_TRAIN, tiny_model
 
 PER_TOKEN = ActivationScheme()
 STATIC = ActivationScheme(dynamic=False, granularity="tensor")

@@ -7,7 +7,7 @@ import torch
 
 from quantlab.engine.observers import BINS, RangeObserver, observe_linears
 from quantlab.quant import kv_cache
-from tests.conftest import tiny_model
+from conftest import tiny_model
 
 
 def batches(seed: int = 0, n: int = 3) -> list[torch.Tensor]:

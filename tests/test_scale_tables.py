@@ -21,7 +21,7 @@ from quantlab.quant.scale_tables import (
     write_scale_tables,
 )
 from quantlab.quant.scheme import PRESETS, ActivationScheme, KVCacheScheme
-from tests.conftest import tiny_model
+from conftest import tiny_model
 
 LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]

@@ -15,7 +15,7 @@ from quantlab.algorithms.smoothquant import (
 from quantlab.engine.sequential import run_sequential
 from quantlab.models.arch import ScalingGroup, arch_spec_for
 from quantlab.quant.scheme import PRESETS, ActivationScheme
-from tests.conftest import tiny_model
+from conftest import tiny_model
 
 STATIC = ActivationScheme(dynamic=False, granularity="tensor")
 CPU = torch.device("cpu")

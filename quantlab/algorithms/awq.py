@@ -331,6 +331,13 @@ def collect_input_stats(
 
 @dataclass
 class AWQ:
+    """Engine adapter: per layer, observe once (a seeded subsample, seed = layer index), fold
+    each scaling group's best scales, clip, and return the RTN codes of the result.
+
+    `records` keeps one entry per scaling group (chosen α — None when the identity won —,
+    its error and plain RTN's, or why the group was skipped) and per clipped Linear.
+    """
+
     scheme: WeightScheme
     grid: int = 20
     duo_scaling: bool = True
@@ -341,6 +348,10 @@ class AWQ:
     max_tokens: int = 8192
     ignore: list[str] = field(default_factory=list)
     records: list[dict[str, Any]] = field(default_factory=list)  # one per scaling group / clip
+
+    def __post_init__(self) -> None:
+        if self.scheme.type != "int" or self.scheme.per_tensor:
+            raise ValueError(f"awq searches integer per-group/per-channel schemes, not {self.scheme.name}")
 
     def apply(self, ctx: LayerContext) -> dict[str, QuantizedWeight]:
         targets = self._targets(ctx)
@@ -378,8 +389,8 @@ class AWQ:
         if not quantized:
             record["skipped"] = "no quantized Linear in the group"
             return
-        if prev is None:
-            record["skipped"] = f"no module {prev_name!r}"
+        if prev is None or getattr(prev, "weight", None) is None:
+            record["skipped"] = f"no module {prev_name!r} with a weight to absorb the scales"
             return
         width = producer_width(prev)
         mismatch = [f"{n} in {c.in_features}" for n, c in zip(names, consumers) if c.in_features != width]

@@ -90,7 +90,7 @@ def write_scale_tables(target: Path, tables: dict[str, dict[str, Any]]) -> list[
     written = []
     for file_name, table in tables.items():
         path = target / file_name
-        path.write_text(json.dumps(table, indent=1) + "\n")
+        path.write_text(json.dumps(table) + "\n")  # one line, as PaddleNLP writes them
         written.append(path)
     return written
 
