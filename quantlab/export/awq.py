@@ -18,7 +18,7 @@ import torch
 from quantlab.errors import UserError
 from quantlab.export.bits import pack_awq, unpack_awq
 from quantlab.export.checks import Report
-from quantlab.export.hf_checkpoint import (check_bias, check_layout, load_tensors, read_config,
+from quantlab.export.hf_checkpoint import (start_validation, check_bias, check_layout, load_tensors, read_config,
                                            write_checkpoint)
 from quantlab.export.source import Canonical, check_fingerprints
 from quantlab.quant.primitives import QuantizedWeight, default_g_idx
@@ -77,13 +77,10 @@ def read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeight
 
 
 def validate(path: Path) -> Report:
-    report = Report(NAME, str(path))
-    config = read_config(path)
-    qcfg: dict[str, Any] = config.get("quantization_config") or {}
-    if not report.check("config key", "config.json.quantization_config", bool(qcfg), "key is missing"):
+    report, config, qcfg = start_validation(path, NAME, "awq")
+    if not qcfg:
         return report
     where = "quantization_config"
-    report.key(qcfg, "quant_method", where, "awq")
     report.key(qcfg, "bits", where, 4)
     report.key(qcfg, "version", where, allowed=("gemm", "GEMM"))
     report.key(qcfg, "zero_point", where, True)

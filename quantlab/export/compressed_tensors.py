@@ -20,7 +20,7 @@ import torch
 from quantlab.errors import UserError
 from quantlab.export.bits import pack_dense, packed_len, unpack_dense
 from quantlab.export.checks import Report
-from quantlab.export.hf_checkpoint import (check_bias, check_layout, load_tensors, read_config,
+from quantlab.export.hf_checkpoint import (start_validation, check_bias, check_layout, load_tensors, read_config,
                                            write_checkpoint)
 from quantlab.export.source import Canonical, check_fingerprints
 from quantlab.quant.primitives import QuantizedWeight, default_g_idx
@@ -102,13 +102,10 @@ def read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeight
 
 
 def validate(path: Path) -> Report:
-    report = Report(NAME, str(path))
-    config = read_config(path)
-    qcfg: dict[str, Any] = config.get("quantization_config") or {}
-    if not report.check("config key", "config.json.quantization_config", bool(qcfg), "key is missing"):
+    report, config, qcfg = start_validation(path, NAME, "compressed-tensors")
+    if not qcfg:
         return report
     where = "quantization_config"
-    report.key(qcfg, "quant_method", where, "compressed-tensors")
     report.key(qcfg, "format", where, FORMAT)
     report.key(qcfg, "quantization_status", where, "compressed")
     report.key(qcfg, "ignore", where)

