@@ -113,12 +113,12 @@ class SmoothQuantStage(Strict):
 
     alpha: float = Field(default=0.5, ge=0, le=1, description="migration strength when not searched")
     search: bool = Field(default=False, description="pick α per layer and group by W8A8 output error")
-    grid: int = Field(default=20, ge=1, le=1000, description="searched α = i/grid, i = 0..grid (plus no smoothing)")
+    grid: int = Field(default=10, ge=1, le=1000, description="searched α = i/grid, i = 0..grid (plus no smoothing)")
     weights: WeightScheme = Field(default_factory=lambda: PRESETS["W8A16"],
                                   description="weight scheme the search fake-quantizes with")
     activations: ActivationScheme | None = Field(
         default=None, description="activation scheme the search fake-quantizes with; null = the act_ranges stage's")
-    max_tokens: int = Field(default=4096, gt=0, description="calibration tokens per layer used by the search")
+    max_tokens: int = Field(default=1024, gt=0, description="calibration tokens per layer used by the search")
     skip: list[str] = Field(default_factory=list,
                             description="fnmatch patterns of producers (layer-relative: mlp.up_proj) not to smooth")
 

@@ -257,33 +257,79 @@ class _Stop(Exception):
     """Raised from a hook once every observed input of a layer pass is recorded."""
 
 
-def _observe(ctx: LayerContext, watch: dict[str, HessianAccumulator]) -> None:
-    """Run the layer over every calibration batch, accumulating the input Hessian of each
-    watched Linear; each pass stops as soon as all of them have seen their input (the rest
-    of the layer cannot change them), which skips most of the MLP for early groups."""
-    seen: set[str] = set()
+@dataclass
+class _Entry:
+    """Where a pass over the layer starts: a module and its per-batch call arguments."""
 
-    def hook_for(name: str):
+    module: torch.nn.Module
+    calls: list[tuple[tuple, dict]]
+
+
+def _observe(
+    ctx: LayerContext, names: list[str], watch: dict[str, HessianAccumulator],
+    entry: _Entry | None = None, record: torch.nn.Module | None = None,
+) -> _Entry | None:
+    """Run the layer over every calibration batch, accumulating the input Hessian of each
+    watched Linear. Each pass stops as soon as all of them have seen their input (the rest
+    of the layer cannot change them), which skips most of the layer for early groups.
+
+    `entry` starts the pass at a submodule with inputs recorded earlier instead of at the
+    layer; `record` is the submodule to record inputs of for the next pass. A recording is
+    only valid if the module was entered before any Linear in `names` ran (its inputs do
+    not depend on the weights about to change), on every batch; otherwise None.
+    """
+    seen: set[str] = set()
+    started = False
+    recorded: _Entry | None = _Entry(record, []) if record is not None else None
+
+    def on_linear(name: str):
         def hook(_module: torch.nn.Module, args: tuple) -> None:
-            watch[name].add(args[0])
-            seen.add(name)
-            if len(seen) == len(watch):
-                raise _Stop
+            nonlocal started
+            started = True
+            if name in watch:
+                watch[name].add(args[0])
+                seen.add(name)
+                if len(seen) == len(watch):
+                    raise _Stop
 
         return hook
 
-    handles = [ctx.linear(n).register_forward_pre_hook(hook_for(n)) for n in watch]
+    def on_record(_module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        nonlocal recorded
+        if recorded is not None and started:
+            recorded = None
+        if recorded is not None:
+            recorded.calls.append((args, kwargs))
+
+    handles = [ctx.linear(n).register_forward_pre_hook(on_linear(n)) for n in names]
+    if record is not None:
+        handles.append(record.register_forward_pre_hook(on_record, with_kwargs=True))
+    module = entry.module if entry else ctx.layer
+    calls = entry.calls if entry else [((b.hidden,), b.kwargs) for b in ctx.batches]
     try:
         with torch.no_grad():
-            for b in ctx.batches:
+            for args, kwargs in calls:
                 seen.clear()
+                started = False
                 try:
-                    ctx.layer(b.hidden, **b.kwargs)
+                    module(*args, **kwargs)
                 except _Stop:
                     pass
     finally:
         for handle in handles:
             handle.remove()
+    return recorded if recorded is not None and len(recorded.calls) == len(calls) else None
+
+
+def _common_parent(names: list[str]) -> str:
+    """Deepest module containing all `names` (`mlp` for gate/up/down); "" for the layer."""
+    parts = [n.split(".")[:-1] for n in names]
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) > 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
 
 
 def shared_inputs(ctx: LayerContext, names: list[str]) -> list[list[str]]:
@@ -312,14 +358,16 @@ class GPTQ:
     def apply(self, ctx: LayerContext) -> dict[str, QuantizedWeight]:
         targets = [n for n in ctx.spec.linears if not is_ignored(f"{ctx.prefix}.{n}", self.ignore)]
         groups = ctx.spec.sequential if self.true_sequential else (ctx.spec.linears,)
+        plan = [names for group in groups if (names := [n for n in group if n in targets])]
         result: dict[str, QuantizedWeight] = {}
-        for group in groups:
-            names = [n for n in group if n in targets]
-            if not names:
-                continue
+        entry: _Entry | None = None
+        for i, names in enumerate(plan):
+            # A pass may record the inputs of the module holding the next group (the MLP
+            # while observing gate/up) so the next pass starts there, not at the layer.
+            parent = _common_parent(plan[i + 1]) if i + 1 < len(plan) else ""
             sets = shared_inputs(ctx, names)
             watch = {s[0]: HessianAccumulator() for s in sets}
-            _observe(ctx, watch)
+            entry = _observe(ctx, names, watch, entry, ctx.layer.get_submodule(parent) if parent else None)
             for members in sets:
                 result.update(self._quantize_set(ctx, members, watch[members[0]].hessian()))
         return result

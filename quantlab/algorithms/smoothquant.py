@@ -133,10 +133,10 @@ def _static_absmax(x: torch.Tensor, scheme: ActivationScheme) -> torch.Tensor:
 class SmoothQuant:
     alpha: float = 0.5
     search: bool = False
-    grid: int = 20
+    grid: int = 10
     weights: WeightScheme = field(default_factory=lambda: PRESETS["W8A16"])
     activations: ActivationScheme = field(default_factory=ActivationScheme)
-    max_tokens: int = 4096
+    max_tokens: int = 1024
     skip: list[str] = field(default_factory=list)
     seed: int = 0
     chosen: dict[str, float | None] = field(default_factory=dict)  # full producer name → α (None: unsmoothed)
