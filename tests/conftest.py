@@ -14,6 +14,12 @@ WIKI_TRAIN = SHARED_DATA / "wikitext-2-raw-v1" / "wiki.train.first1MB.raw"
 WIKI_TEST = SHARED_DATA / "wikitext-2-raw-v1" / "wiki.test.raw"
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Property tests explore the same examples on every run: a CI failure reproduces locally.
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("quantlab", derandomize=True, deadline=None)
+settings.load_profile("quantlab")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
