@@ -17,7 +17,7 @@ from quantlab.algorithms.gptq import (
     gptq_quantize,
     inverse_hessian_cholesky,
 )
-from quantlab.engine.sequential import run_sequential
+from quantlab.engine.sequential import Batch, LayerContext, capture_layer0_inputs, run_sequential
 from quantlab.models.arch import arch_spec_for
 from quantlab.quant.canonical import load_canonical, save_canonical
 from quantlab.quant.packing import pack, unpack
@@ -211,6 +211,35 @@ def test_adapter_quantizes_every_linear_and_codes_match_the_model(model_type, ac
     for name, qw in quantized.items():
         assert torch.equal(loaded[name].g_idx, qw.g_idx)
         assert torch.equal(loaded[name].dequantize(), model.get_submodule(name).weight.data)
+
+
+def test_adapter_uses_the_hessians_of_the_quantized_layer():
+    """True-sequential GPTQ must fit each Linear to the inputs it sees once every earlier
+    group is quantized — which is what one plain forward of the finished layer gives. Any
+    shortcut in the passes (early stops, restarting at the MLP) must not change them."""
+    model = tiny_model("llama", seed=3)
+    spec = arch_spec_for(model)
+    ids = torch.randint(0, 512, (6, 32), generator=torch.Generator().manual_seed(2))
+    batches = capture_layer0_inputs(model, spec, ids, 3, torch.device("cpu"))
+    layer = spec.decoder_layers(model)[0]
+    floats = {n: layer.get_submodule(n).weight.detach().clone() for n in spec.linears}
+    ctx = LayerContext(0, "model.layers.0", layer, spec, [Batch(b.hidden, b.kwargs) for b in batches],
+                       torch.device("cpu"))
+    scheme = WeightScheme(bits=3, group_size=16)
+    quantized = GPTQ(scheme, act_order=True).apply(ctx)
+    for name, qw in quantized.items():  # as the engine does after every stage
+        layer.get_submodule(name).weight.data.copy_(qw.dequantize())
+
+    accs = {n: HessianAccumulator() for n in spec.linears}
+    handles = [layer.get_submodule(n).register_forward_pre_hook(lambda m, a, n=n: accs[n].add(a[0]))
+               for n in spec.linears]
+    ctx.forward()
+    for h in handles:
+        h.remove()
+    for name in spec.linears:
+        expected = gptq_quantize(floats[name], accs[name].hessian(), scheme, act_order=True).weight
+        assert (expected.codes == quantized[name].codes).float().mean() > 0.99, name
+        assert torch.equal(expected.g_idx, quantized[name].g_idx), name
 
 
 def test_true_sequential_sees_quantized_inputs():
