@@ -23,13 +23,21 @@ settings.load_profile("quantlab")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+# Mixture-of-experts families: 4 experts, 2 per token; Qwen2-MoE's shared expert is wider.
+TINY_MOE = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64),
+}
+
+
 def tiny_config(model_type: str = "llama", **overrides):
     """A 2-layer config with GQA (4 heads, 2 KV heads) small enough for unit tests."""
     from transformers import AutoConfig
 
     base = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, vocab_size=512, max_position_embeddings=256,
-                tie_word_embeddings=model_type == "llama")
+                tie_word_embeddings=model_type == "llama", **TINY_MOE.get(model_type, {}))
     base.update(overrides)
     return AutoConfig.for_model(model_type, **base)
 

@@ -226,3 +226,48 @@ def test_pipeline_a8w8c8_end_to_end(tiny_model_dir, tmp_path):
     apply_from_canonical(model, q)
     assert perplexity(model, stream, 32, 2).perplexity == pytest.approx(reported, rel=1e-6)
     assert reported != pytest.approx(weights_only, rel=1e-7)
+
+
+def test_static_fp8_weights_activations_and_kv():
+    """FP8 per-tensor weights + static per-tensor FP8 activations (mse observer, fitted to
+    the e4m3 grid) + FP8 K/V with one scale per tensor: every Linear input at evaluation is
+    on the FP8 grid of its calibrated scale, and the scale tables carry the absmax values."""
+    from quantlab.algorithms.act_ranges import ActRanges, canonical_entries
+    from quantlab.algorithms.rtn import RTN
+    from quantlab.engine.sequential import run_sequential
+    from quantlab.models.arch import arch_spec_for
+    from quantlab.quant.activations import fake_quant
+    from quantlab.quant.scale_tables import scale_tables
+    from quantlab.quant.scheme import KVCacheScheme
+
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        ref = model(ids).logits
+    acts = ActivationScheme(type="float", dynamic=False, granularity="tensor", observer="mse")
+    stage = ActRanges(acts, KVCacheScheme(type="float", granularity="tensor"))
+    scales: dict[str, torch.Tensor] = {}
+    quantized = run_sequential(model, arch_spec_for(model), ids, [RTN(PRESETS["FP8_PER_TENSOR"]), stage],
+                               torch.device("cpu"), scales=scales)
+    config = canonical_entries(stage, scales)
+    assert config["activations"]["type"] == "float" and config["kv_cache"]["granularity"] == "tensor"
+    name = "model.layers.1.mlp.down_proj"
+    assert scales[f"{name}.input_absmax"] <= scales[f"{name}.input_channel_absmax"].max()
+    handles = apply_fake_quant(model, config, scales)
+    seen: list[torch.Tensor] = []
+    grab = model.get_submodule(name).register_forward_pre_hook(lambda _m, a: seen.append(a[0]))
+    with torch.no_grad():
+        out = model(ids).logits
+    grab.remove()
+    scale = scales[f"{name}.input_absmax"] / FP8_MAX
+    assert torch.equal(fake_quant(seen[0], scale, "fp8"), seen[0])  # already on the grid
+    assert seen[0].abs().max() <= scales[f"{name}.input_absmax"] * (1 + 1e-6)
+    assert 0 < (out - ref).abs().max() < 0.5 * ref.abs().max()
+    handles.remove()
+    tables = scale_tables(model.config.to_dict(), config, quantized, scales)
+    w = tables["weight_scales.json"]["qwen2.layers.1.mlp.down_proj.weight_quanter"]
+    assert isinstance(w, float) and w == pytest.approx(float(quantized[name].scales[0, 0]) * FP8_MAX)
+    act = tables["act_scales.json"]["qwen2.layers.1.mlp.down_proj.activation_quanter"]
+    assert act == pytest.approx(float(scales[f"{name}.input_absmax"]))
+    k = tables["cachekv_scales.json"]["qwen2.layers.1.self_attn.cachek_matmul.activation_quanter"]
+    assert k == [pytest.approx(float(scales["model.layers.1.self_attn.k_absmax"].max()))] * 4  # num_heads

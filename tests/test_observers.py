@@ -129,3 +129,85 @@ def test_kv_observer_is_per_kv_head_absmax_after_rope(model_type: str):
     assert rng.k.shape == (model.config.num_key_value_heads,)
     torch.testing.assert_close(rng.k, k.abs().amax(dim=(0, 2, 3)))
     torch.testing.assert_close(rng.v, v.abs().amax(dim=(0, 2, 3)))
+
+
+def fp8_mse(x: torch.Tensor, threshold: float) -> float:
+    from quantlab.quant.activations import FP8_MAX, fake_quant
+
+    return (fake_quant(x, torch.tensor(threshold / FP8_MAX), "fp8") - x).pow(2).mean().item()
+
+
+def test_mse_threshold_for_fp8_uses_the_fp8_grid():
+    """FP8's relative precision makes clipping cost more than it saves: the FP8 observer's
+    threshold is near the direct FP8 optimum, where the int8-tuned one is far off."""
+    x = heavy_tailed()
+    fp8, int8 = RangeObserver("mse", quant="fp8"), RangeObserver("mse")
+    fp8.update(x)
+    int8.update(x)
+    amax = x.abs().max().item()
+    best = min(fp8_mse(x, t) for t in torch.linspace(amax / 64, amax, 100).tolist())
+    assert fp8_mse(x, fp8.result().item()) <= 1.05 * best
+    assert fp8_mse(x, int8.result().item()) > 1.5 * fp8_mse(x, fp8.result().item())
+
+
+def test_observer_refuses_what_it_cannot_compute():
+    from quantlab.quant.scheme import ActivationScheme
+
+    with pytest.raises(ValueError, match="per-channel needs absmax"):
+        RangeObserver("percentile", per_channel=True)
+    with pytest.raises(ValueError, match="int8"):
+        RangeObserver("histogram", quant="fp8")
+    with pytest.raises(ValueError, match="histogram"):
+        ActivationScheme(type="float", dynamic=False, granularity="tensor", observer="histogram")
+    scheme = ActivationScheme(type="float", dynamic=False, granularity="tensor", observer="mse", percentile=99.0)
+    obs = RangeObserver.for_scheme(scheme)
+    assert (obs.kind, obs.quant, obs.percentile, obs.per_channel) == ("mse", "fp8", 99.0, False)
+
+
+@pytest.mark.parametrize("observer", ["absmax", "mse"])
+def test_act_ranges_records_match_direct_computation(observer: str):
+    """Per Linear: the per-channel absmax of its input and output, and the per-tensor input
+    range the scheme's observer picks, all against what hooks saw in the same forwards."""
+    from quantlab.algorithms.act_ranges import ActRanges
+    from quantlab.engine.sequential import run_sequential
+    from quantlab.models.arch import arch_spec_for
+    from quantlab.quant.scheme import ActivationScheme
+
+    model = tiny_model("qwen2")
+    spec = arch_spec_for(model)
+    layer = model.model.layers[1]
+    seen: dict[str, tuple[list, list]] = {n: ([], []) for n in spec.linears}
+
+    def grab(name):
+        def hook(_m, args, out) -> None:
+            seen[name][0].append(args[0].detach())
+            seen[name][1].append(out.detach())
+
+        return hook
+
+    handles = [layer.get_submodule(n).register_forward_hook(grab(n)) for n in spec.linears]
+    scheme = ActivationScheme(dynamic=False, granularity="tensor", observer=observer)
+    stage = ActRanges(scheme, ignore=["*.mlp.down_proj"])
+    ids = torch.randint(0, 512, (3, 20), generator=torch.Generator().manual_seed(7))
+    scales: dict[str, torch.Tensor] = {}
+    run_sequential(model, spec, ids, [stage], torch.device("cpu"), batch_size=2, scales=scales)
+    for h in handles:
+        h.remove()
+    prefix = "model.layers.1"
+    for name, (ins, outs) in seen.items():
+        x = torch.cat([t.reshape(-1, t.shape[-1]) for t in ins])
+        y = torch.cat([t.reshape(-1, t.shape[-1]) for t in outs])
+        assert torch.equal(scales[f"{prefix}.{name}.input_channel_absmax"], x.abs().amax(dim=0))
+        assert torch.equal(scales[f"{prefix}.{name}.output_channel_absmax"], y.abs().amax(dim=0))
+        key = f"{prefix}.{name}.input_absmax"
+        if name == "mlp.down_proj":
+            assert key not in scales  # ignored: input stays float, but its ranges are recorded
+            continue
+        direct = RangeObserver(observer)
+        for t in ins[:2]:  # act_ranges' own forward: the 2 calibration batches, in order
+            direct.update(t)
+        assert scales[key].shape == () and torch.equal(scales[key], direct.result())
+        if observer == "absmax":
+            assert torch.equal(scales[key], x.abs().max())
+        else:
+            assert scales[key] < x.abs().max()

@@ -131,3 +131,113 @@ def test_search_never_worse_than_no_smoothing():
     for i in range(11):  # and it is the grid's best
         cand = smoothing_scales(x.abs().amax(0), torch.cat(weights).abs().amax(0), i / 10)
         assert err <= w8a8_error(x, weights, cand, algo.weights, STATIC, reference) + 1e-9
+
+
+def test_static_search_scores_the_deployed_range():
+    """A massive activation on a token the search's subsample missed still sets the static
+    range act_ranges deploys (`max_c absmax_c / s_c`); the search must score α with that
+    range, not the subsample's (which would pick a much worse α here)."""
+    from quantlab.algorithms.smoothquant import deployed_static_absmax
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 64, generator=g)
+    x[:, :2] *= 8
+    weights = [torch.randn(32, 64, generator=g) * 0.05, torch.randn(16, 64, generator=g) * 0.05]
+    linears = []
+    for w in weights:
+        lin = torch.nn.Linear(64, w.shape[0], bias=False)
+        lin.weight.data.copy_(w)
+        linears.append(lin)
+    x_absmax = x.abs().amax(0)
+    x_absmax[5] = 400.0  # seen by the full-data per-channel absmax, not in the sample
+    w_absmax = torch.cat(weights).abs().amax(0)
+    reference = x @ torch.cat(weights).T
+
+    def deployed_error(s: torch.Tensor) -> float:
+        static = deployed_static_absmax(STATIC, x_absmax, s)
+        assert static == (x_absmax / s).max()
+        return w8a8_error(x, weights, s, PRESETS["W8A16"], STATIC, reference, static)
+
+    algo = SmoothQuant(search=True, grid=10, activations=STATIC)
+    s, alpha = algo._search(x, linears, x_absmax, w_absmax)
+    cands = [smoothing_scales(x_absmax, w_absmax, i / 10) for i in range(11)] + [torch.ones(64)]
+    errors = [deployed_error(c) for c in cands]
+    assert alpha is not None and deployed_error(s) == pytest.approx(min(errors))
+    subsample_choice = min(cands, key=lambda c: w8a8_error(x, weights, c, PRESETS["W8A16"], STATIC, reference))
+    assert deployed_error(subsample_choice) > 1.5 * deployed_error(s)
+    assert deployed_static_absmax(ActivationScheme(), x_absmax, s) is None  # dynamic: nothing to deploy
+    clipped = ActivationScheme(dynamic=False, granularity="tensor", observer="mse")
+    assert deployed_static_absmax(clipped, x_absmax, s) is None  # the observer runs on the sample
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_smoothquant_then_gptq_static_w8a8(model_type: str):
+    """SmoothQuant → GPTQ W8 → static act_ranges composes: GPTQ encodes the *smoothed*
+    weights, and with activations really quantized (static per tensor) the model is far
+    closer to float than the same pipeline without smoothing."""
+    from quantlab.algorithms.act_ranges import ActRanges, canonical_entries
+    from quantlab.algorithms.gptq import GPTQ
+    from quantlab.eval.fake_quant import apply_fake_quant
+
+    ids = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(0))
+
+    def run(smoothed: bool) -> tuple[float, torch.nn.Module, dict, SmoothQuant]:
+        model = tiny_model(model_type)
+        planted_outliers(model)
+        original = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with torch.no_grad():
+            ref = model(ids).logits
+        sq = SmoothQuant(search=True, grid=5, activations=STATIC)
+        stages = ([sq] if smoothed else []) + [GPTQ(PRESETS["W8A16"]), ActRanges(STATIC)]
+        scales: dict[str, torch.Tensor] = {}
+        quantized = run_sequential(model, arch_spec_for(model), ids, stages, CPU, batch_size=2, scales=scales)
+        apply_fake_quant(model, canonical_entries(stages[-1], scales), scales)
+        with torch.no_grad():
+            err = (model(ids).logits - ref).pow(2).mean().item()
+        return err, model, {"original": original, "quantized": quantized}, sq
+
+    plain_err, _, _, _ = run(False)
+    sq_err, model, state, sq = run(True)
+    assert sq_err < 0.3 * plain_err
+    assert any(a is not None for a in sq.summary().values())
+    # q_proj's codes encode W·diag(s), s read back from the norm that absorbed 1/s
+    norm = "model.layers.0.input_layernorm.weight"
+    s = state["original"][norm] / model.get_submodule("model.layers.0.input_layernorm").weight.detach()
+    assert (s - 1).abs().max() > 0.5
+    q = "model.layers.0.self_attn.q_proj"
+    deq = state["quantized"][q].dequantize()
+    smoothed_w, raw_w = state["original"][f"{q}.weight"] * s, state["original"][f"{q}.weight"]
+    assert (deq - smoothed_w).norm() < 0.05 * smoothed_w.norm()  # GPTQ moves weights a bit
+    assert (deq - raw_w).norm() > 0.5 * raw_w.norm()
+
+
+def test_search_weight_scheme_follows_the_next_weight_stage(tmp_path):
+    from quantlab.recipe import validate_recipe
+
+    def stage0(stages: list) -> SmoothQuant:
+        raw = {"name": "t", "seed": 0, "model": {"id": "m"}, "stages": stages,
+               "calibration": {"dataset": {"source": "x.txt"}}}
+        return validate_recipe(raw).stages[0].smoothquant
+
+    assert stage0([{"smoothquant": {}}, {"rtn": {"weights": "FP8"}}]).weights == PRESETS["FP8"]
+    assert stage0([{"smoothquant": {}}, {"gptq": {"weights": "W8A16"}}]).weights == PRESETS["W8A16"]
+    assert stage0([{"smoothquant": {}}, {"act_ranges": {}}]).weights == PRESETS["W8A16"]
+    explicit = stage0([{"smoothquant": {"weights": "W8A16_ASYM"}}, {"rtn": {"weights": "FP8"}}])
+    assert explicit.weights == PRESETS["W8A16_ASYM"]
+
+
+def test_static_benchmark_pair_differs_only_by_smoothing():
+    """Bar 2 compares these two recipes: everything but the smoothquant stage must match."""
+    from quantlab.recipe import load_recipe
+    from conftest import REPO
+
+    plain = load_recipe(REPO / "recipes" / "smollm2_a8w8_static.yaml")
+    smooth = load_recipe(REPO / "recipes" / "smollm2_smoothquant_a8w8_static.yaml")
+    assert [e.kind for e in smooth.stages] == ["smoothquant"] + [e.kind for e in plain.stages]
+    assert [e.dump() for e in smooth.stages[1:]] == [e.dump() for e in plain.stages]
+    ranges = plain.stages[-1].act_ranges.activations
+    assert not ranges.dynamic and ranges.granularity == "tensor"
+    sq = smooth.stages[0].smoothquant
+    assert sq.search and sq.activations == ranges and sq.weights == plain.stages[0].rtn.weights
+    assert (smooth.model, smooth.calibration, smooth.evaluate, smooth.seed) == (
+        plain.model, plain.calibration, plain.evaluate, plain.seed)

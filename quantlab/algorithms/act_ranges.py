@@ -3,11 +3,15 @@
 Runs on each decoder layer after the weight stages, with the layer's encoded weights in
 place (so o_proj's input range is the one the quantized q,k,v produce), and records:
   * per quantized Linear, the per-tensor range of its input chosen by the scheme's observer
-    (`absmax`, or a clipped threshold: percentile, mse, histogram/KL) — static schemes quantize
-    with it; dynamic ones still store it because static-scale exporters (PaddleNLP a8w8) need it;
+    (`absmax`, or a clipped threshold: percentile, mse, histogram/KL, fitted to the scheme's
+    int8 or FP8 grid) — static schemes quantize with it; dynamic ones still store it because
+    static-scale exporters (PaddleNLP a8w8) need it;
+  * per Linear of the ArchSpec (ignored ones included), the plain per-channel absmax of its
+    input and of its output (k_proj / v_proj outputs: K before RoPE and V, per channel);
   * per attention module, the per-KV-head absmax of K (after RoPE) and V as they enter
     attention (before the GQA repeat).
-Names follow `quantlab.quant.canonical` (`N.input_absmax`, `A.k_absmax`, `A.v_absmax`).
+Names follow `quantlab.quant.canonical` (`N.input_absmax`, `N.input_channel_absmax`,
+`N.output_channel_absmax`, `A.k_absmax`, `A.v_absmax`).
 """
 
 from __future__ import annotations
@@ -21,11 +25,9 @@ import torch
 from quantlab.engine.observers import RangeObserver, observe_linears
 from quantlab.engine.sequential import LayerContext, is_ignored
 from quantlab.quant import kv_cache
-from quantlab.quant.canonical import input_absmax_key, kv_absmax_keys
+from quantlab.quant.canonical import channel_absmax_keys, input_absmax_key, kv_absmax_keys
 from quantlab.quant.primitives import QuantizedWeight
 from quantlab.quant.scheme import ActivationScheme, KVCacheScheme
-
-INT8_LEVELS = 127
 
 
 @dataclass
@@ -40,21 +42,26 @@ class ActRanges:
         return [n for n in ctx.spec.linears if not is_ignored(f"{ctx.prefix}.{n}", self.ignore)]
 
     def apply(self, ctx: LayerContext) -> dict[str, QuantizedWeight]:
+        ctx.spec.require_dense("act_ranges")
         for name, qw in ctx.quantized.items():  # observe the layer as it will be deployed
             lin = ctx.linear(name)
             lin.weight.data.copy_(qw.dequantize().to(lin.weight.dtype))
         names = self.targets(ctx)
         attns = kv_cache.attention_modules(ctx.layer) if self.kv_cache is not None else []
         scheme = self.activations or ActivationScheme()
-        make = lambda: RangeObserver(scheme.observer, percentile=scheme.percentile, levels=INT8_LEVELS)  # noqa: E731
+        per_channel = lambda: RangeObserver("absmax", per_channel=True)  # noqa: E731
         with contextlib.ExitStack() as stack:
-            obs = stack.enter_context(observe_linears(ctx.layer, names, make))
+            obs = stack.enter_context(observe_linears(ctx.layer, names, lambda: RangeObserver.for_scheme(scheme)))
+            channels = stack.enter_context(observe_linears(ctx.layer, list(ctx.spec.linears), per_channel, True))
             if attns:
                 stack.enter_context(kv_cache.routed(ctx.layer))
             ranges = [stack.enter_context(kv_cache.observe_kv(a)) for a in attns]
             ctx.forward()
         for name in names:
             ctx.scales[input_absmax_key(name)] = obs.inputs[name].result().reshape(())
+        for name in ctx.spec.linears:
+            in_key, out_key = channel_absmax_keys(name)
+            ctx.scales[in_key], ctx.scales[out_key] = channels.inputs[name].result(), channels.outputs[name].result()
         for attn, rng in zip(attns, ranges):
             rel = _relative_name(ctx.layer, attn)
             k_key, v_key = kv_absmax_keys(rel)

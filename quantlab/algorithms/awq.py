@@ -23,6 +23,12 @@ Speed: all errors are quadratic forms in the input Gram matrix `H = XᵀX / T`, 
 and the grid searches never touch activations again. Clipping uses the Gram's diagonal
 blocks (per-group errors, ignoring cross-group terms, like AutoAWQ's clip search).
 
+Mixture-of-experts layers: each expert's statistics come from the tokens routed to it. The
+post-attention norm's one scale vector serves every expert (and the router, which absorbs it
+in float); it is searched on the error summed over experts, each weighted by its tokens
+(`RoutedGram`). An expert no calibration token reached gets no search or clipping of its own
+(plain RTN of its weights, scaled with its group) and is reported.
+
 AWQ does not choose the final codes; it returns the RTN encoding of its rescaled, clipped
 weights so that it works as the last weight stage, and a following rtn/gptq stage re-encodes
 the same float weights (the engine writes codes back only after all stages ran).
@@ -40,6 +46,7 @@ from torch import nn
 
 from quantlab.engine.sequential import LayerContext, is_ignored
 from quantlab.models.arch import ArchSpec
+from quantlab.progress import console
 from quantlab.quant.primitives import (
     QuantizedWeight,
     compute_qparams,
@@ -103,8 +110,24 @@ def candidate_scales(
     return torch.where(torch.isfinite(s), s, torch.ones_like(s))
 
 
-def output_error(delta: torch.Tensor, gram: torch.Tensor) -> float:
-    """MSE of the outputs `X δᵀ` per output element, from `gram = XᵀX / T`."""
+@dataclass
+class RoutedGram:
+    """Inputs of a stacked weight whose row blocks read different tokens (MoE experts, each
+    fed the tokens routed to it): block i has `rows[i]` rows and reads `tokens[i]` tokens with
+    Gram `grams[i]`."""
+
+    rows: list[int]
+    grams: list[torch.Tensor]
+    tokens: list[int]
+
+
+def output_error(delta: torch.Tensor, gram: torch.Tensor | RoutedGram) -> float:
+    """MSE of the outputs `X δᵀ` per output element, from `gram = XᵀX / T`; for a RoutedGram,
+    over every (token, output) pair an expert actually computes."""
+    if isinstance(gram, RoutedGram):
+        blocks = zip(delta.split(gram.rows), gram.grams, gram.tokens, gram.rows)
+        squared = sum(output_error(d, g) * t * r for d, g, t, r in blocks)
+        return squared / sum(t * r for t, r in zip(gram.tokens, gram.rows))
     return ((delta @ gram) * delta).sum().item() / delta.shape[0]
 
 
@@ -126,7 +149,7 @@ class ScaleSearch:
 def search_scales(
     w: torch.Tensor,
     x_mean: torch.Tensor,
-    gram: torch.Tensor,
+    gram: torch.Tensor | RoutedGram,
     scheme: WeightScheme,
     grid: int = 20,
     duo_scaling: bool = True,
@@ -220,11 +243,11 @@ def producer_width(prev: nn.Module) -> int:
 
 
 @torch.no_grad()
-def fold_scales(prev: nn.Module, consumers: list[nn.Linear], s: torch.Tensor) -> None:
+def fold_scales(prev: nn.Module, consumers: list[nn.Module], s: torch.Tensor) -> None:
     """Divide the producer's output channels by `s` (norm weight/bias, or a Linear's output
-    rows and bias) and multiply the consumers' input columns by `s`: the float function is
-    unchanged (norms are elementwise-affine last; attention and SwiGLU are linear in v / up
-    per channel)."""
+    rows and bias) and multiply the consumers' input columns by `s` (Linears, or a MoE router's
+    `[experts, in]` weight): the float function is unchanged (norms are elementwise-affine
+    last; attention and SwiGLU are linear in v / up per channel)."""
     if isinstance(prev, nn.Linear):
         prev.weight.div_(s.to(prev.weight.dtype)[:, None])
     else:
@@ -247,9 +270,10 @@ class InputStats:
     tokens: int = 0  # rows in abs_sum
     sampled: int = 0  # rows in gram_sum
 
-    def add(self, x: torch.Tensor, keep: torch.Tensor) -> None:
+    def add(self, x: torch.Tensor, keep: torch.Tensor | None) -> None:
+        """`keep`: the rows that enter the Gram (None: all of them)."""
         x = x.detach().reshape(-1, x.shape[-1]).float()
-        sel = x[keep]
+        sel = x if keep is None else x[keep]
         if self.abs_sum is None:
             self.abs_sum = torch.zeros(x.shape[1], device=x.device)
             self.gram_sum = torch.zeros(x.shape[1], x.shape[1], device=x.device)
@@ -273,9 +297,17 @@ class InputStats:
 
 
 def input_sites(spec: ArchSpec) -> dict[str, str]:
-    """Linear → the Linear whose input it shares (the first of its scaling group)."""
-    site = {name: group.linears[0] for group in spec.scaling for name in group.linears}
-    return {name: site.get(name, name) for name in spec.linears}
+    """Linear → the Linear whose input it shares (the first of its input set)."""
+    return {name: names[0] for names in spec.input_sets for name in names}
+
+
+def pooled(stats: list[InputStats], rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | RoutedGram]:
+    """Mean |x| and Gram of a scaling group whose Linears read different tokens of one producer
+    (MoE experts): |x| pooled over every routed token, errors weighted by each one's tokens."""
+    if len(stats) == 1:
+        return stats[0].x_mean, stats[0].gram
+    x_mean = sum(st.abs_sum for st in stats) / sum(st.tokens for st in stats)
+    return x_mean, RoutedGram(rows, [st.gram for st in stats], [st.tokens for st in stats])
 
 
 def token_subsample(
@@ -304,20 +336,28 @@ def token_subsample(
 def collect_input_stats(
     ctx: LayerContext, sites: Iterable[str], max_tokens: int, seed: int
 ) -> dict[str, InputStats]:
-    """Forward the layer over a seeded batch subsample with hooks on the site Linears."""
+    """Forward the layer over a seeded batch subsample with hooks on the site Linears. A MoE
+    expert sees only the tokens routed to it (or none: its stats stay empty); all of those
+    enter its Gram, as the batch's row sample does not index them."""
     sites = sorted(set(sites))
     sizes = [b.hidden.shape[0] * b.hidden.shape[1] for b in ctx.batches]
     chosen, rows = token_subsample(sizes, max_tokens, torch.Generator().manual_seed(seed))
     stats = {name: InputStats() for name in sites}
-    calls = dict.fromkeys(sites, 0)
+    batch = -1
+
+    def next_batch(_module: nn.Module, _args: tuple) -> None:
+        nonlocal batch
+        batch += 1
 
     def hook(name: str):
         def observe(_module: nn.Module, args: tuple, _output: Any) -> None:
-            stats[name].add(args[0], rows[calls[name]].to(args[0].device))
-            calls[name] += 1
+            x = args[0]
+            whole = x.numel() // x.shape[-1] == sizes[chosen[batch]]
+            stats[name].add(x, rows[batch].to(x.device) if whole else None)
         return observe
 
-    handles = [ctx.linear(name).register_forward_hook(hook(name)) for name in sites]
+    handles = [ctx.layer.register_forward_pre_hook(next_batch)]
+    handles += [ctx.linear(name).register_forward_hook(hook(name)) for name in sites]
     try:
         dataclasses.replace(ctx, batches=[ctx.batches[i] for i in chosen]).forward()
     finally:
@@ -372,14 +412,15 @@ class AWQ:
         stats = collect_input_stats(ctx, site_of.values(), self.max_tokens, seed=ctx.index)
         targets = self._targets(ctx)
         for group in ctx.spec.scaling:
-            self._scale_group(ctx, group.prev, list(group.linears), targets, stats[site_of[group.linears[0]]])
+            self._scale_group(ctx, group.prev, list(group.linears), targets, stats, site_of)
         return stats
 
     def _targets(self, ctx: LayerContext) -> list[str]:
         return [n for n in ctx.spec.linears if not is_ignored(f"{ctx.prefix}.{n}", self.ignore)]
 
     def _scale_group(
-        self, ctx: LayerContext, prev_name: str, names: list[str], targets: list[str], stats: InputStats
+        self, ctx: LayerContext, prev_name: str, names: list[str], targets: list[str],
+        stats: dict[str, InputStats], site_of: dict[str, str],
     ) -> None:
         record: dict[str, Any] = {"layer": ctx.index, "prev": prev_name, "linears": names}
         self.records.append(record)
@@ -393,18 +434,36 @@ class AWQ:
             record["skipped"] = f"no module {prev_name!r} with a weight to absorb the scales"
             return
         width = producer_width(prev)
-        mismatch = [f"{n} in {c.in_features}" for n, c in zip(names, consumers) if c.in_features != width]
+        mismatch = [f"{n} in {c.weight.shape[1]}" for n, c in zip(names, consumers) if c.weight.shape[1] != width]
         if mismatch:  # GQA: v_proj emits kv_heads·d channels, o_proj reads heads·d
             record["skipped"] = f"shape mismatch: {prev_name} out {width} ≠ {', '.join(mismatch)}"
             return
-        w = torch.cat([ctx.linear(n).weight.data.float() for n in quantized], dim=0)
-        found = search_scales(w, stats.x_mean, stats.gram, self.scheme, self.grid, self.duo_scaling)
+        # MoE: the group's experts read different tokens (one input site each); experts that
+        # no calibration token reached are left out of the search but still absorb the scales.
+        sites = [site for site in dict.fromkeys(site_of[n] for n in quantized) if stats[site].tokens]
+        unreached = [n for n in quantized if not stats[site_of[n]].tokens]
+        if unreached:
+            record["no_tokens"] = unreached
+            console.print(f"awq: {ctx.prefix}: no calibration tokens reached {', '.join(unreached)} "
+                          "(MoE experts never routed to): scaled with the rest of the group, or not at all")
+        if not sites:
+            record["skipped"] = "no calibration tokens reached its Linears"
+            return
+        searched = [[n for n in quantized if site_of[n] == site] for site in sites]
+        w = torch.cat([ctx.linear(n).weight.data.float() for part in searched for n in part], dim=0)
+        rows = [sum(ctx.linear(n).weight.shape[0] for n in part) for part in searched]
+        x_mean, gram = pooled([stats[site] for site in sites], rows)
+        found = search_scales(w, x_mean, gram, self.scheme, self.grid, self.duo_scaling)
         record.update(alpha=found.alpha, error=found.error, identity_error=found.identity_error)
         if found.alpha is not None:
             fold_scales(prev, consumers, found.scales)
-            stats.rescale(found.scales)
+            for site in sites:
+                stats[site].rescale(found.scales)
 
     def _clip(self, ctx: LayerContext, name: str, stats: InputStats) -> None:
+        if not stats.sampled:  # a MoE expert no calibration token reached: plain min/max ranges
+            self.records.append({"layer": ctx.index, "clip": name, "skipped": "no calibration tokens"})
+            return
         weight = ctx.linear(name).weight.data
         lo, hi, err, unclipped = search_clip(weight, stats.gram, self.scheme, self.clip_grid, self.max_shrink)
         apply_clip(weight, lo, hi, self.scheme.group_size)

@@ -30,6 +30,7 @@ from quantlab.quant.primitives import (
     num_groups,
     quantize,
     quantize_column,
+    quantize_weight,
 )
 from quantlab.quant.scheme import WeightScheme
 
@@ -334,14 +335,8 @@ def _common_parent(names: list[str]) -> str:
 
 def shared_inputs(ctx: LayerContext, names: list[str]) -> list[list[str]]:
     """Partition `names` into sets of Linears that read the same tensor (the ArchSpec's
-    scaling groups: q/k/v after the input norm, gate/up after the post-attention norm)."""
-    sets: list[list[str]] = []
-    for group in ctx.spec.scaling:
-        members = [n for n in group.linears if n in names]
-        if members:
-            sets.append(members)
-    covered = {n for s in sets for n in s}
-    return sets + [[n] for n in names if n not in covered]
+    input sets: q/k/v after the input norm, gate/up of one MLP or one MoE expert)."""
+    return [members for s in ctx.spec.input_sets if (members := [n for n in s if n in names])]
 
 
 @dataclass
@@ -353,7 +348,8 @@ class GPTQ:
     static_groups: bool = False
     true_sequential: bool = True
     ignore: list[str] = field(default_factory=list)
-    stats: dict[str, dict[str, float]] = field(default_factory=dict)  # per full Linear name
+    # per full Linear name: damp, retries, loss, tokens (0: none reached it, RTN fallback)
+    stats: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def apply(self, ctx: LayerContext) -> dict[str, QuantizedWeight]:
         targets = [n for n in ctx.spec.linears if not is_ignored(f"{ctx.prefix}.{n}", self.ignore)]
@@ -369,16 +365,33 @@ class GPTQ:
             watch = {s[0]: HessianAccumulator() for s in sets}
             entry = _observe(ctx, names, watch, entry, ctx.layer.get_submodule(parent) if parent else None)
             for members in sets:
-                result.update(self._quantize_set(ctx, members, watch[members[0]].hessian()))
+                acc = watch[members[0]]
+                if acc.tokens == 0:  # a MoE expert the router never chose
+                    result.update(self._rtn_fallback(ctx, members))
+                else:
+                    result.update(self._quantize_set(ctx, members, acc.hessian(), acc.tokens))
         return result
 
-    def _quantize_set(self, ctx: LayerContext, names: list[str], h: torch.Tensor) -> dict[str, QuantizedWeight]:
+    def _rtn_fallback(self, ctx: LayerContext, names: list[str]) -> dict[str, QuantizedWeight]:
+        """Linears no calibration token reached have no Hessian: round them to nearest, and say so."""
+        console.print(f"gptq: {_label(ctx, names)}: no calibration tokens reached it "
+                      "(MoE expert never routed to); quantized with RTN")
+        out = {}
+        for name in names:
+            lin = ctx.linear(name)
+            out[name] = qw = quantize_weight(lin.weight.data, self.scheme)
+            lin.weight.data.copy_(qw.dequantize().to(lin.weight.dtype))
+            self.stats[f"{ctx.prefix}.{name}"] = {"tokens": 0}
+        return out
+
+    def _quantize_set(self, ctx: LayerContext, names: list[str], h: torch.Tensor,
+                      tokens: int) -> dict[str, QuantizedWeight]:
         """One GPTQ run over the row-concatenation of Linears sharing H (rows are
         independent given H, so this equals quantizing each alone, with one column loop)."""
         linears = [ctx.linear(n) for n in names]
         rows = [lin.weight.shape[0] for lin in linears]
         w = torch.cat([lin.weight.data for lin in linears], dim=0)
-        label = f"{ctx.prefix}.{'+'.join(n.rsplit('.', 1)[-1] for n in names)}"
+        label = _label(ctx, names)
         try:
             res = gptq_quantize(w, h, self.scheme, damp_percent=self.damp_percent, block_size=self.block_size,
                                 act_order=self.act_order, static_groups=self.static_groups)
@@ -390,8 +403,15 @@ class GPTQ:
         for name, lin, qw in zip(names, linears, _split_rows(res.weight, rows)):
             lin.weight.data.copy_(qw.dequantize().to(lin.weight.dtype))  # later groups see it
             out[name] = qw
-            self.stats[f"{ctx.prefix}.{name}"] = {"damp": res.damp, "retries": res.retries, "loss": res.loss}
+            self.stats[f"{ctx.prefix}.{name}"] = {"damp": res.damp, "retries": res.retries, "loss": res.loss,
+                                                  "tokens": tokens}
         return out
+
+
+def _label(ctx: LayerContext, names: list[str]) -> str:
+    """`model.layers.3.mlp.experts.5.gate_proj+up_proj` for log lines."""
+    parent = ".".join(filter(None, (ctx.prefix, _common_parent(names))))
+    return f"{parent}.{'+'.join(n.rsplit('.', 1)[-1] for n in names)}"
 
 
 def _split_rows(qw: QuantizedWeight, rows: list[int]) -> list[QuantizedWeight]:

@@ -15,7 +15,13 @@ its rows.
 
 α is fixed, or searched per layer and group over `i/grid` (plus "no smoothing") by the error
 of the group's Linear outputs under W8A8 fake quantization (weights per the stage's scheme,
-activations per the recipe's) against the float outputs, on a seeded token subsample.
+by default the following weight stage's; activations per the act_ranges stage's) against the
+float outputs, on a seeded token subsample. For a static per-tensor scheme the search
+quantizes with the range the act_ranges stage will deploy: with the `absmax` observer that is
+exactly `max_c(max|X_c| / s_c)` over every calibration token (the per-channel absmax is
+observed in full, so rare outlier tokens missing from the subsample still set the range);
+with a clipping observer (percentile / mse / histogram) it is that observer run on the
+smoothed subsample.
 
 SmoothQuant returns no codes: weight stages after it encode the smoothed weights.
 """
@@ -113,20 +119,30 @@ def observe_groups(
 
 def w8a8_error(
     x: torch.Tensor, weights: list[torch.Tensor], s: torch.Tensor, wscheme: WeightScheme, ascheme: ActivationScheme,
-    reference: torch.Tensor,
+    reference: torch.Tensor, static_absmax: torch.Tensor | None = None,
 ) -> float:
-    """Squared error of the group's outputs with smoothing `s` under W8A8 fake quantization."""
+    """Squared error of the group's outputs with smoothing `s` under W8A8 fake quantization.
+    A static scheme quantizes `x / s` with `static_absmax` when given (the deployed range),
+    else with the scheme's observer run on `x / s` itself."""
     xs = x / s
-    absmax = None if ascheme.dynamic else _static_absmax(xs, ascheme)
+    absmax = None if ascheme.dynamic else static_absmax if static_absmax is not None else _static_absmax(xs, ascheme)
     xq = fake_quant_activation(xs, ascheme, absmax)
     wq = torch.cat([fake_quantize_weight(w * s, wscheme).float() for w in weights], dim=0)
     return (xq @ wq.T - reference).pow(2).sum().item()
 
 
 def _static_absmax(x: torch.Tensor, scheme: ActivationScheme) -> torch.Tensor:
-    obs = RangeObserver(scheme.observer, percentile=scheme.percentile)
+    obs = RangeObserver.for_scheme(scheme)
     obs.update(x)
-    return obs.result()
+    return obs.result().to(x.device)
+
+
+def deployed_static_absmax(scheme: ActivationScheme, x_absmax: torch.Tensor, s: torch.Tensor) -> torch.Tensor | None:
+    """The exact per-tensor range act_ranges will find for `X / s` when that is computable
+    from the full per-channel absmax (static `absmax` observer); None otherwise."""
+    if scheme.dynamic or scheme.observer != "absmax":
+        return None
+    return (x_absmax.to(s.device) / s).max()
 
 
 @dataclass
@@ -134,22 +150,25 @@ class SmoothQuant:
     alpha: float = 0.5
     search: bool = False
     grid: int = 10
-    weights: WeightScheme = field(default_factory=lambda: PRESETS["W8A16"])
-    activations: ActivationScheme = field(default_factory=ActivationScheme)
+    weights: WeightScheme | None = field(default_factory=lambda: PRESETS["W8A16"])
+    activations: ActivationScheme | None = field(default_factory=ActivationScheme)
     max_tokens: int = 1024
     skip: list[str] = field(default_factory=list)
     seed: int = 0
     chosen: dict[str, float | None] = field(default_factory=dict)  # full producer name → α (None: unsmoothed)
 
     def __post_init__(self) -> None:
-        if self.activations is None:  # a stage built outside a Recipe: the recipe default
+        if self.activations is None:  # a stage built outside a Recipe: the recipe defaults
             self.activations = ActivationScheme()
+        if self.weights is None:
+            self.weights = PRESETS["W8A16"]
 
     def groups(self, ctx: LayerContext) -> list[ScalingGroup]:
         return [g for g in ctx.spec.scaling
                 if not any(fnmatch(g.prev, p) for p in self.skip) and can_smooth(ctx.layer, g)]
 
     def apply(self, ctx: LayerContext) -> dict[str, QuantizedWeight]:
+        ctx.spec.require_dense("smoothquant")
         groups = self.groups(ctx)
         generator = torch.Generator().manual_seed(self.seed * 100_003 + ctx.index)
         per_batch = -(-self.max_tokens // max(len(ctx.batches), 1)) if self.search else 0
@@ -174,14 +193,16 @@ class SmoothQuant:
         """Best of "no smoothing" and α = i/grid by the W8A8 output error (ties keep the first)."""
         weights = [lin.weight.detach().float().to(x.device) for lin in linears]
         reference = x @ torch.cat(weights, dim=0).T
-        ones = torch.ones(x.shape[1], device=x.device)
-        best = (w8a8_error(x, weights, ones, self.weights, self.activations, reference), None, ones)
-        for i in range(self.grid + 1):
-            alpha = i / self.grid
-            s = smoothing_scales(x_absmax, w_absmax, alpha).to(x.device)
-            err = w8a8_error(x, weights, s, self.weights, self.activations, reference)
-            if err < best[0]:
+        candidates = [(None, torch.ones(x.shape[1], device=x.device))]
+        candidates += [(i / self.grid, smoothing_scales(x_absmax, w_absmax, i / self.grid).to(x.device))
+                       for i in range(self.grid + 1)]
+        best: tuple[float, float | None, torch.Tensor] | None = None
+        for alpha, s in candidates:
+            static = deployed_static_absmax(self.activations, x_absmax, s)
+            err = w8a8_error(x, weights, s, self.weights, self.activations, reference, static)
+            if best is None or err < best[0]:
                 best = (err, alpha, s)
+        assert best is not None
         return best[2], best[1]
 
     def summary(self) -> dict[str, float | None]:

@@ -2,21 +2,26 @@
 
 `absmax` keeps the running max of |x| (per tensor or per channel). `percentile`, `mse` and
 `histogram` keep a 2048-bin histogram of |x| (rebinned as the range grows, as TensorRT's
-calibrators do) and pick a clipping threshold from it: the given percentile, the threshold
-minimising the expected int8 quantization MSE, or the one minimising the KL divergence between
-the clipped-and-quantized and the original distribution (entropy calibration).
+calibrators do) and pick one per-tensor clipping threshold from it: the given percentile, the
+threshold minimising the expected quantization MSE of the target format (int8 or FP8 e4m3:
+the error is computed with the real quantizer, so FP8's non-uniform grid is accounted for), or
+the one minimising the KL divergence between the clipped-and-quantized and the original
+distribution (entropy calibration, defined for int8's 128 uniform levels only).
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Literal
+from typing import Any, Callable, Iterator, Literal
 
 import torch
 from torch import nn
 
+from quantlab.quant.activations import INT8_MAX, fake_quant, qmax_of
+
 ObserverKind = Literal["absmax", "percentile", "mse", "histogram"]
+QuantKind = Literal["int8", "fp8"]
 BINS = 2048
 
 
@@ -25,11 +30,23 @@ class RangeObserver:
     kind: ObserverKind = "absmax"
     per_channel: bool = False
     percentile: float = 99.99
-    levels: int = 127  # positive quantization levels the threshold is chosen for
+    quant: QuantKind = "int8"  # the format the mse / histogram thresholds are chosen for
     absmax: torch.Tensor | None = None
     hist: torch.Tensor | None = None
     hist_max: float = 0.0
     count: int = 0
+
+    def __post_init__(self) -> None:
+        # Refuse what would silently fall back to something else.
+        if self.per_channel and self.kind != "absmax":
+            raise ValueError(f"{self.kind} observers pick one per-tensor threshold; per-channel needs absmax")
+        if self.kind == "histogram" and self.quant != "int8":
+            raise ValueError("the histogram (KL entropy) observer is defined for int8; use mse or percentile for FP8")
+
+    @classmethod
+    def for_scheme(cls, scheme: Any) -> "RangeObserver":
+        """The per-tensor observer an `ActivationScheme` asks for, tuned to its format."""
+        return cls(scheme.observer, percentile=scheme.percentile, quant=scheme.kind)
 
     def update(self, x: torch.Tensor) -> None:
         a = x.detach().float().abs().reshape(-1, x.shape[-1])
@@ -49,12 +66,13 @@ class RangeObserver:
             self.hist_max = top
             idx = (old_edges / self.hist_max * BINS).long().clamp(max=BINS - 1)
             self.hist = torch.zeros(BINS, dtype=torch.float64).index_add_(0, idx, self.hist)
-        self.hist += torch.histc(a.double().cpu(), bins=BINS, min=0, max=self.hist_max)
+        # counted on x's device (fp32 counts are exact per batch), accumulated in fp64 on the CPU
+        self.hist += torch.histc(a.float(), bins=BINS, min=0, max=self.hist_max).double().cpu()
 
     def result(self) -> torch.Tensor:
         """The absmax to build scales from (clipped for the histogram-based kinds)."""
         assert self.absmax is not None, "observer saw no data"
-        if self.kind == "absmax" or self.per_channel:
+        if self.kind == "absmax":
             return self.absmax.cpu()
         return torch.tensor(self._threshold(), dtype=torch.float32)
 
@@ -73,10 +91,10 @@ class RangeObserver:
         centers = (torch.arange(BINS, dtype=torch.float64) + 0.5) * width
         threshold = cut * width
         if self.kind == "mse":
-            step = threshold / self.levels
-            q = torch.clamp(torch.round(centers / step), max=self.levels) * step
+            scale = torch.tensor(threshold / qmax_of(self.quant), dtype=torch.float64)
+            q = fake_quant(centers, scale, self.quant)
             return (self.hist * (centers - q) ** 2).sum()
-        return _kl_loss(self.hist, cut, self.levels + 1)
+        return _kl_loss(self.hist, cut, int(INT8_MAX) + 1)
 
 
 def _kl_loss(hist: torch.Tensor, cut: int, levels: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 
 from quantlab.errors import UserError
 from quantlab.models.builtin import BUILTIN_MODELS, float_checkpoint
+from quantlab.models.moe import unfuse_experts
 from quantlab.recipe import ModelSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -95,6 +96,7 @@ def load_model(spec: ModelSpec, resolved: ResolvedModel) -> torch.nn.Module:
         raise _unreachable(spec, resolved, exc) from None
     if resolved.gguf_file:
         model.hf_quantizer = None  # dequantized on load: plain float from here on
+    unfuse_experts(model)  # MoE: per-expert Linears to quantize (same function; no-op if dense)
     return model.eval()
 
 

@@ -23,6 +23,10 @@ A directory holding
         `activations`, dynamic schemes included (static-scale exporters need it);
       - `A.k_absmax`, `A.v_absmax` (`[num_key_value_heads]`): per-KV-head range of K (after
         RoPE) and V of attention module `A`; per-tensor schemes use their max;
+      - `N.input_channel_absmax` (`[in]`) and `N.output_channel_absmax` (`[out]`): plain
+        per-channel absmax of the input and output of every Linear of the ArchSpec (written by
+        `act_ranges`; informational: nothing dequantizes with them, but smoothing-aware
+        exporters and analysis can, and k_proj/v_proj outputs give pre-RoPE per-head ranges);
   * the model's `config.json`, generation config and tokenizer files, so the directory is
     self-contained.
 """
@@ -36,6 +40,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from quantlab.models.moe import unfuse_experts
 from quantlab.quant.packing import pack, unpack
 from quantlab.quant.primitives import QuantizedWeight
 from quantlab.quant.scheme import WeightScheme
@@ -48,6 +53,10 @@ SCALES_FILE = "scales.safetensors"
 
 def input_absmax_key(linear: str) -> str:
     return f"{linear}.input_absmax"
+
+
+def channel_absmax_keys(linear: str) -> tuple[str, str]:
+    return f"{linear}.input_channel_absmax", f"{linear}.output_channel_absmax"
 
 
 def kv_absmax_keys(attention: str) -> tuple[str, str]:
@@ -144,6 +153,7 @@ def load_fake_quant_model(source: Path, dtype: torch.dtype = torch.float32) -> t
     config = AutoConfig.from_pretrained(source)
     with no_init_weights():  # every weight is overwritten below; buffers (rotary) are computed
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    unfuse_experts(model)  # MoE: the canonical form names per-expert Linears
     tensors, quantized = load_canonical(source)
     state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     state.update({f"{name}.weight": qw.dequantize().to(dtype) for name, qw in quantized.items()})

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from quantlab.quant.activations import FP8_MAX, INT8_MAX
+from quantlab.quant.activations import FP8_MAX
 from quantlab.quant.canonical import input_absmax_key, kv_absmax_keys
 from quantlab.quant.primitives import QuantizedWeight
 
@@ -44,14 +44,23 @@ def paddle_name(name: str, model_type: str) -> str:
 
 
 def weight_absmax(qw: QuantizedWeight) -> list[float] | float:
-    """The absmax a Paddle loader expects for one weight (see the module docstring)."""
+    """The absmax a Paddle loader expects for one weight (see the module docstring): `qmax·s`
+    with qmax 448 (FP8), 127 (int8) or 7 (weight-only int4). Computed in float64, where the
+    product of a float32 step and qmax is exact, so `absmax / qmax` gives the step back bit for
+    bit (JSON floats are doubles)."""
     scheme = qw.scheme
     if scheme.type == "float":
-        values = qw.scales[:, 0].float() * FP8_MAX
+        values = qw.scales[:, 0].double() * FP8_MAX
         return float(values[0]) if scheme.per_tensor else values.tolist()
-    if scheme.bits != 8 or not scheme.symmetric or scheme.group_size is not None:
-        raise ValueError(f"PaddleNLP a8w8 scale tables need symmetric per-channel int8 weights, got {scheme.name}")
-    return (qw.scales[:, 0].float() * INT8_MAX).tolist()
+    if scheme.bits not in (4, 8) or not scheme.symmetric or scheme.group_size is not None:
+        raise ValueError(f"PaddleNLP scale tables need symmetric per-channel int8 (or weight-only int4) weights, "
+                         f"got {scheme.name}")
+    return (qw.scales[:, 0].double() * signed_qmax(scheme.bits)).tolist()
+
+
+def signed_qmax(bits: int) -> int:
+    """127 for int8, 7 for int4: Paddle's symmetric code range is [−qmax, qmax]."""
+    return 2 ** (bits - 1) - 1
 
 
 def kv_head_list(absmax: torch.Tensor, num_heads: int, per_head: bool) -> list[float]:

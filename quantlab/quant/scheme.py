@@ -96,6 +96,8 @@ class ActivationScheme(BaseModel):
     def _static_is_per_tensor(self) -> "ActivationScheme":
         if not self.dynamic and self.granularity != "tensor":
             raise ValueError("static activation scales are per tensor (granularity: tensor)")
+        if self.observer == "histogram" and self.type != "int":
+            raise ValueError("observer histogram (KL entropy) is for int8; FP8 takes absmax, percentile or mse")
         return self
 
     @property

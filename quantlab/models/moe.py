@@ -1,0 +1,86 @@
+"""Unfuse mixture-of-experts blocks into per-expert Linears, so quantization sees Linears.
+
+transformers (≥ 5) keeps a Mixtral / Qwen2-MoE layer's experts as two 3-D parameters
+(`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`) and runs them through one fused kernel.
+The engine, GPTQ, AWQ and the canonical form all work on `nn.Linear`s by name, and each
+expert must be calibrated on the tokens the router sends it. `unfuse_experts` replaces each
+fused experts module, in place, with `Experts`: one `ExpertMLP` per expert holding
+`gate_proj`, `up_proj`, `down_proj` Linears (`mlp.experts.{e}.gate_proj`, …, the names of the
+original per-expert checkpoints), whose forward is transformers' eager experts loop — the same
+routing, the same per-expert arithmetic and accumulation order, so the model computes the
+same function (bit for bit against the eager implementation, to float round-off against
+grouped_mm). An expert that no token is routed to is not called, as in the original: hooks
+on its Linears see exactly the tokens routed to it, or nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from quantlab.errors import UserError
+
+# Fused experts classes with the layout unfused here: [gate; up] concatenated along the
+# output dim, weights stored [out, in], no bias, act(gate) · up → down.
+FUSED_EXPERTS = ("MixtralExperts", "Qwen2MoeExperts")
+
+
+class ExpertMLP(nn.Module):
+    """One expert: `down(act(gate(x)) · up(x))`."""
+
+    def __init__(self, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear, act_fn: nn.Module) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj, self.act_fn = gate_proj, up_proj, down_proj, act_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.ModuleList):
+    """Drop-in for a fused experts module: called as `experts(hidden [T, H], top_k_index [T, K],
+    top_k_weights [T, K])`, returns the routing-weighted sum of each token's experts."""
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        routed = top_k_index.T  # [K, T]: (slot, token) pairs in the order the eager loop visits them
+        for e, expert in enumerate(self):
+            slot, token = torch.where(routed == e)
+            if token.numel() == 0:
+                continue
+            y = expert(hidden_states[token]) * top_k_weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+
+def _linear(weight: torch.Tensor) -> nn.Linear:
+    """A bias-free Linear owning a copy of `weight [out, in]` (a copy, not a view: the fused
+    tensor is freed, and safetensors refuses tensors that share storage)."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta", dtype=weight.dtype)
+    linear.weight = nn.Parameter(weight.detach().clone())
+    return linear
+
+
+def unfused(module: nn.Module) -> Experts:
+    """The per-expert equivalent of one fused experts module."""
+    layout = (getattr(module, "is_transposed", False), getattr(module, "is_concatenated", True),
+              getattr(module, "has_bias", False), getattr(module, "has_gate", True))
+    if layout != (False, True, False, True):
+        raise UserError(f"model: {type(module).__name__} has an unexpected fused layout (transposed, concatenated, "
+                        f"bias, gate) = {layout}; quantlab unfuses the transformers 5.x layout only")
+    gate_up, down = module.gate_up_proj.detach(), module.down_proj.detach()
+    inter = down.shape[-1]
+    experts = Experts(ExpertMLP(_linear(gate_up[e, :inter]), _linear(gate_up[e, inter:]), _linear(down[e]),
+                                module.act_fn) for e in range(gate_up.shape[0]))
+    return experts.train(module.training)
+
+
+def unfuse_experts(model: nn.Module) -> int:
+    """Replace every fused experts module of `model` in place (one at a time, so peak memory
+    grows by one layer's experts); returns how many were replaced (0 for dense models)."""
+    fused = [name for name, module in model.named_modules() if type(module).__name__ in FUSED_EXPERTS]
+    for name in fused:
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent)
+        setattr(owner, child, unfused(getattr(owner, child)))
+    return len(fused)
