@@ -150,6 +150,26 @@ def inspect_cmd(path: Annotated[Path, typer.Argument(help="an export directory, 
         raise typer.Exit(code=1)
 
 
+@app.command("generate")
+@user_errors
+def generate_cmd(
+    run_dir: Annotated[Path, typer.Argument(help="run directory, its quantized/ directory, or a float model directory")],
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="text to continue")],
+    max_new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 64,
+    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
+    top_k: Annotated[Optional[int], typer.Option(help="sample among the k most likely tokens")] = None,
+    seed: Annotated[int, typer.Option(help="sampling seed")] = 0,
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
+    chat: Annotated[bool, typer.Option(help="wrap the prompt in the tokenizer's chat template")] = False,
+) -> None:
+    """Generate text with quantlab's runner from a run's quantized model, streaming to stdout."""
+    from quantlab.runner.stream import run_generate
+
+    _quiet_libraries()
+    run_generate(run_dir, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                 seed=seed, device=device, chat=chat)
+
+
 @app.command("recipes")
 def list_recipes() -> None:
     """List the recipes that ship with quantlab."""

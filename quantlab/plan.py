@@ -15,7 +15,7 @@ from quantlab import stages
 from quantlab.context import RunContext
 from quantlab.data.sources import check_source
 from quantlab.models.sources import check_model_id
-from quantlab.recipe import Recipe
+from quantlab.recipe import Recipe, verify_dataset
 from quantlab.rundir import content_key
 
 
@@ -34,6 +34,8 @@ def preflight(recipe: Recipe) -> None:
         check_source(recipe.calibration.dataset, "calibration.dataset")
     if recipe.evaluate.perplexity:
         check_source(recipe.evaluate.perplexity.dataset, "evaluate.perplexity.dataset")
+    if recipe.verify and recipe.verify.dataset:
+        check_source(recipe.verify.dataset, "verify.dataset")
 
 
 def build_plan(recipe: Recipe) -> list[Stage]:
@@ -58,6 +60,12 @@ def build_plan(recipe: Recipe) -> list[Stage]:
     if ppl:
         plan.append(Stage("evaluate_quantized", content_key("ppl", quant_key, ppl_params), (stages.PPL_QUANT,),
                           stages.evaluate_quantized))
+    if recipe.verify:
+        data = verify_dataset(recipe)
+        plan.append(Stage("verify", content_key("verify", quant_key, recipe.verify.model_dump(mode="json"),
+                                                data.model_dump(mode="json") if data else None,
+                                                recipe.model.dtype, recipe.device),
+                          (stages.VERIFY,), stages.verify))
     report_key = content_key("report", [s.key for s in plan])
     plan.append(Stage("report", report_key, (stages.REPORT_JSON, stages.REPORT_MD), stages.report))
     return plan

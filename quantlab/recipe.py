@@ -114,8 +114,8 @@ class SmoothQuantStage(Strict):
     alpha: float = Field(default=0.5, ge=0, le=1, description="migration strength when not searched")
     search: bool = Field(default=False, description="pick α per layer and group by W8A8 output error")
     grid: int = Field(default=10, ge=1, le=1000, description="searched α = i/grid, i = 0..grid (plus no smoothing)")
-    weights: WeightScheme = Field(default_factory=lambda: PRESETS["W8A16"],
-                                  description="weight scheme the search fake-quantizes with")
+    weights: WeightScheme | None = Field(
+        default=None, description="weight scheme the search fake-quantizes with; null = the next weight stage's")
     activations: ActivationScheme | None = Field(
         default=None, description="activation scheme the search fake-quantizes with; null = the act_ranges stage's")
     max_tokens: int = Field(default=1024, gt=0, description="calibration tokens per layer used by the search")
@@ -187,6 +187,19 @@ class EvaluateSpec(Strict):
     perplexity: PerplexitySpec | None = None
 
 
+class VerifySpec(Strict):
+    """Runner vs fake-quant model (`quantlab.runner.verify`): per-layer and logit errors and
+    greedy agreement on prompts, and both perplexities on the same windows."""
+
+    prompts: list[str] = Field(default_factory=list, description="text prompts; empty = num_prompts from the dataset")
+    num_prompts: int = Field(default=16, gt=0, le=1024, description="prompts cut from the dataset when prompts is empty")
+    prompt_tokens: int = Field(default=32, ge=1, le=8192, description="tokens per prompt cut from the dataset")
+    max_new_tokens: int = Field(default=64, ge=1, le=4096, description="greedy tokens generated per prompt")
+    dataset: DatasetSpec | None = Field(default=None, description="null = evaluate.perplexity's, else calibration's")
+    perplexity_windows: int = Field(default=4, ge=0, le=100_000, description="windows scored by both models; 0 = skip")
+    seq_len: int = Field(default=512, ge=16, le=131_072, description="perplexity window length")
+
+
 class OutputSpec(Strict):
     dir: str | None = Field(default=None, description="run directory; default runs/<name>")
 
@@ -200,11 +213,24 @@ class Recipe(Strict):
     stages: list[StageEntry] = Field(min_length=1)
     evaluate: EvaluateSpec = Field(default_factory=EvaluateSpec)
     export: list[ExportFormat] = Field(default_factory=list, description="formats written to <run dir>/export/")
+    verify: VerifySpec | None = Field(default=None, description="check the runner against the fake-quant model")
     output: OutputSpec = Field(default_factory=OutputSpec)
 
     @model_validator(mode="after")
     def _activation_stages(self) -> "Recipe":
         check_activation_stages(self)
+        return self
+
+    @model_validator(mode="after")
+    def _verify_data(self) -> "Recipe":
+        v = self.verify
+        if v is not None and verify_dataset(self) is None:
+            if v.perplexity_windows:
+                raise ValueError("verify.perplexity_windows: needs a dataset (verify.dataset, evaluate.perplexity"
+                                 ".dataset or calibration.dataset); or set perplexity_windows: 0")
+            if not v.prompts:
+                raise ValueError("verify.prompts: give prompts or a dataset to cut them from (verify.dataset, "
+                                 "evaluate.perplexity.dataset or calibration.dataset)")
         return self
 
     @property
@@ -215,9 +241,19 @@ class Recipe(Strict):
 WEIGHT_KINDS = ("rtn", "gptq", "awq")
 
 
+def verify_dataset(recipe: Recipe) -> DatasetSpec | None:
+    """The text the verify stage cuts prompts and perplexity windows from."""
+    if recipe.verify is not None and recipe.verify.dataset is not None:
+        return recipe.verify.dataset
+    if recipe.evaluate.perplexity is not None:
+        return recipe.evaluate.perplexity.dataset
+    return recipe.calibration.dataset if recipe.calibration is not None else None
+
+
 def check_activation_stages(recipe: Recipe) -> None:
     """Cross-stage rules for smoothquant / act_ranges / FP8 weights; fills the search's
-    activation scheme from the act_ranges stage (per-token dynamic int8 without one)."""
+    activation scheme from the act_ranges stage (per-token dynamic int8 without one) and its
+    weight scheme from the next weight stage (W8A16 without one)."""
     kinds = [e.kind for e in recipe.stages]
     for i, entry in enumerate(recipe.stages):
         w = getattr(entry.config, "weights", None)
@@ -230,10 +266,13 @@ def check_activation_stages(recipe: Recipe) -> None:
             raise ValueError(f"stages[{i}].smoothquant: must come before every weight and act_ranges stage "
                              "(it rescales the float weights those stages encode)")
     ranges = next((e.act_ranges for e in recipe.stages if e.act_ranges is not None), None)
-    for entry in recipe.stages:
+    for i, entry in enumerate(recipe.stages):
         if entry.smoothquant is not None and entry.smoothquant.activations is None:
             acts = ranges.activations if ranges is not None and ranges.activations is not None else None
             entry.smoothquant.activations = acts or ActivationScheme()
+        if entry.smoothquant is not None and entry.smoothquant.weights is None:
+            after = next((e.config.weights for e in recipe.stages[i + 1:] if e.kind in WEIGHT_KINDS), None)
+            entry.smoothquant.weights = after or PRESETS["W8A16"]
 
 
 # --------------------------------------------------------------------------- loading

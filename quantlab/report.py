@@ -29,7 +29,7 @@ def _weight_summary(m: dict[str, Any]) -> str:
 
 def write_report(
     run: RunDir, recipe: Recipe, results: list[dict[str, Any]], quant_config: dict[str, Any],
-    json_path: str, md_path: str,
+    json_path: str, md_path: str, verify: dict[str, Any] | None = None,
 ) -> None:
     float_ppl = next((r["perplexity"] for r in results if r["model"] == "float"), None)
     for r in results:
@@ -44,6 +44,8 @@ def write_report(
         "perplexity": results,
         "versions": run.manifest.get("versions", {}),
     }
+    if verify is not None:
+        payload["verify"] = verify
     write_text_atomic(run.resolve(json_path), json.dumps(payload, indent=2) + "\n")
     write_text_atomic(run.resolve(md_path), _markdown(payload))
 
@@ -73,6 +75,32 @@ def _markdown(p: dict[str, Any]) -> str:
         for r in p["perplexity"]:
             delta = "—" if r["delta_vs_float_pct"] is None else f"{r['delta_vs_float_pct']:+.2f}%"
             lines.append(f"| {r['model']} | {r['perplexity']:.4f} | {delta} | {r['windows']} | {r['tokens_scored']} |")
+    if p.get("verify"):
+        lines += ["", *_verify_markdown(p["verify"])]
     versions = ", ".join(f"{k} {v}" for k, v in p["versions"].items())
     lines += ["", f"_{versions}_", ""]
     return "\n".join(lines)
+
+
+def _verify_markdown(v: dict[str, Any]) -> list[str]:
+    """The runner-verification section: agreement, logit error, perplexities, per-layer errors."""
+    lo, hi = v["prompt_tokens"]
+    lines = [
+        "## Runner verification",
+        "",
+        f"quantlab's runner against the fake-quant model ({v['device']}, {v['dtype']}): {v['prompts']} prompts "
+        f"of {lo if lo == hi else f'{lo}–{hi}'} tokens, {v['max_new_tokens']} greedy tokens each.",
+        "",
+        f"- greedy agreement (fake-quant argmax given the runner's context): "
+        f"{100 * v['greedy_agreement']:.2f}% of {v['tokens_compared']} tokens; "
+        f"{v['prompts_fully_agreeing']}/{v['prompts']} prompts agree on every token",
+        f"- final logits: relative error {v['logits']['rel']:.3e}, max abs {v['logits']['max_abs']:.3e}",
+    ]
+    ppl = v.get("perplexity")
+    if ppl:
+        r, f = ppl["runner"], ppl["fake_quant"]
+        lines.append(f"- perplexity ({r['windows']} windows × {r['seq_len']}): runner {r['perplexity']:.4f}, "
+                     f"fake quant {f['perplexity']:.4f} ({ppl['rel_diff_pct']:+.3f}%)")
+    lines += ["", "| layer | max abs | mean abs | rel |", "|---:|---:|---:|---:|"]
+    lines += [f"| {r['layer']} | {r['max_abs']:.3e} | {r['mean_abs']:.3e} | {r['rel']:.3e} |" for r in v["layers"]]
+    return lines

@@ -30,6 +30,7 @@ CALIB_INFO = "calib/info.json"
 QUANTIZED = "quantized"
 PPL_FLOAT = "reports/perplexity_float.json"
 PPL_QUANT = "reports/perplexity_quantized.json"
+VERIFY = "reports/verify.json"
 REPORT_JSON = "reports/report.json"
 REPORT_MD = "reports/report.md"
 
@@ -139,8 +140,51 @@ def export(ctx: RunContext) -> None:
         console.print(f"export: {fmt} → {export_dir(fmt)} ({len(result.checks)} checks passed)")
 
 
+def _verify_tokens(ctx: RunContext) -> torch.Tensor | None:
+    """The token stream the verify stage cuts prompts and windows from (shared with evaluation)."""
+    from quantlab.recipe import verify_dataset
+
+    data = verify_dataset(ctx.recipe)
+    if data is None:
+        return None
+    ppl = ctx.recipe.evaluate.perplexity
+    if ppl is not None and data == ppl.dataset:
+        return eval_tokens(ctx)
+    docs = data_sources.load_documents(data, "verify.dataset", ctx.tokenizer)
+    return sampling.tokenize_joined(docs, ctx.tokenizer)
+
+
+def verify(ctx: RunContext) -> None:
+    """Runner vs fake-quant model on the canonical form: errors, agreement, perplexities."""
+    from quantlab.runner import verify as rv
+    from quantlab.runner.load import load_runner
+
+    spec = ctx.recipe.verify
+    assert spec is not None
+    source = ctx.run.resolve(QUANTIZED)
+    stream = _verify_tokens(ctx)
+    prompts = ([ctx.tokenizer(p).input_ids for p in spec.prompts] if spec.prompts
+               else rv.prompts_from_stream(stream, spec.num_prompts, spec.prompt_tokens))
+    with step("verify: loading runner and fake-quant model"):
+        runner = load_runner(source, ctx.device, ctx.dtype)
+        reference = load_fake_quant_model(source, ctx.dtype).to(ctx.device)
+        apply_from_canonical(reference, source)
+    with step(f"verify: {len(prompts)} prompts × {spec.max_new_tokens} tokens"):
+        result = rv.compare(runner, reference, prompts, spec.max_new_tokens)
+    if spec.perplexity_windows:
+        with step(f"verify: perplexity, {spec.perplexity_windows} windows × {spec.seq_len}"):
+            result["perplexity"] = rv.perplexity_pair(runner, reference, stream, spec.seq_len,
+                                                      spec.perplexity_windows, ctx.device)
+    result.update(device=str(ctx.device), dtype=ctx.recipe.model.dtype)
+    write_text_atomic(ctx.run.resolve(VERIFY), json.dumps(result, indent=2) + "\n")
+    console.print(f"verify: greedy agreement {100 * result['greedy_agreement']:.2f}%, "
+                  f"logit rel error {result['logits']['rel']:.2e}")
+
+
 def report(ctx: RunContext) -> None:
     results = [json.loads(ctx.run.resolve(p).read_text()) for p in (PPL_FLOAT, PPL_QUANT)
                if ctx.run.resolve(p).exists()]
     quant_config = json.loads(ctx.run.resolve(f"{QUANTIZED}/quant_config.json").read_text())
-    write_report(ctx.run, ctx.recipe, results, quant_config, REPORT_JSON, REPORT_MD)
+    verified = ctx.run.resolve(VERIFY)
+    verify_result = json.loads(verified.read_text()) if ctx.recipe.verify and verified.exists() else None
+    write_report(ctx.run, ctx.recipe, results, quant_config, REPORT_JSON, REPORT_MD, verify=verify_result)

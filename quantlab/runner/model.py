@@ -1,0 +1,259 @@
+"""The runner's decoder: llama / qwen2 (and mistral without a sliding window) in plain PyTorch.
+
+Modelled on gpt-fast: RMSNorm, RoPE from a precomputed table, GQA attention over a static KV
+cache, SwiGLU MLP, q/k/v and gate/up each fused into one GEMM where the backends allow.
+Module names follow transformers (`model.layers.N.self_attn…`) so the canonical form's tensor
+names map directly and verification can hook the same layers on both sides.
+
+Batches are left-padded: `pad[b]` leading positions of row b hold no token. Every row's RoPE
+positions start at 0 at its first real token and its queries never see the pad keys, so a row
+computes the same as it would alone. A forward takes `input_pos [L]` (cache positions shared by
+the batch) and attends over the first `attend_len` cache positions (all, under CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quantlab.errors import UserError
+from quantlab.runner.kv import KVCache, KVQuant
+
+SUPPORTED = ("llama", "qwen2", "mistral")
+
+
+@dataclass(frozen=True)
+class RopeArgs:
+    theta: float = 10000.0
+    type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeArgs
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf(cls, config) -> "ModelArgs":
+        """From a transformers config (llama, qwen2, mistral); unsupported features are UserErrors."""
+        mt = getattr(config, "model_type", None)
+        if mt not in SUPPORTED:
+            raise UserError(f"model: the runner supports {', '.join(SUPPORTED)}, got model_type {mt!r}")
+        if mt == "mistral" and getattr(config, "sliding_window", None):
+            raise UserError("model: the runner has no sliding-window attention (mistral sliding_window is set)")
+        heads = config.num_attention_heads
+        return cls(
+            model_type=mt, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers,
+            num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            rms_norm_eps=config.rms_norm_eps, rope=_rope_args(config),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        )
+
+
+def _rope_args(config) -> RopeArgs:
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    legacy = getattr(config, "rope_scaling", None) or {}
+    params = {**legacy, **params}
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind not in ("default", "linear", "llama3"):
+        raise UserError(f"model: RoPE type {kind!r} is not supported by the runner (default, linear, llama3)")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UserError("model: partial rotary embeddings are not supported by the runner")
+    return RopeArgs(theta=float(theta), type=kind, factor=float(params.get("factor", 1.0)),
+                    low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+                    high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+                    original_max_position_embeddings=int(params.get(
+                        "original_max_position_embeddings", getattr(config, "max_position_embeddings", 8192))))
+
+
+def inv_frequencies(rope: RopeArgs, head_dim: int) -> torch.Tensor:
+    """RoPE inverse frequencies; `linear` divides them by the factor, `llama3` (Llama 3.1)
+    divides only the long wavelengths and interpolates between its two cut-offs."""
+    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    if rope.type == "linear":
+        return inv / rope.factor
+    if rope.type == "llama3":
+        old = rope.original_max_position_embeddings
+        low_wavelen, high_wavelen = old / rope.low_freq_factor, old / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / rope.factor, inv)
+        smooth = (old / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, qkv: nn.Module, o_proj: nn.Module, kv_quant: KVQuant | None):
+        super().__init__()
+        self.qkv, self.o_proj = qkv, o_proj
+        self.heads, self.kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.kv_quant = kv_quant
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                input_pos: torch.Tensor, attend_len: int | None) -> torch.Tensor:
+        b, length, _ = x.shape
+        d, h, kvh = self.head_dim, self.heads, self.kv_heads
+        q, k, v = self.qkv(x).split([h * d, kvh * d, kvh * d], dim=-1)
+        q = q.view(b, length, h, d).transpose(1, 2)
+        k = k.view(b, length, kvh, d).transpose(1, 2)
+        v = v.view(b, length, kvh, d).transpose(1, 2)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        k, v = self.kv_cache.update(input_pos, k, v, attend_len)
+        y = attend(q, k, v, mask)
+        return self.o_proj(y.transpose(1, 2).reshape(b, length, h * d))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked softmax attention, `q [B, H, L, D]`, `k, v [B, KVH, S, D]`, `mask [B, 1, L, S]`.
+
+    Decode (L = 1): the query heads of a KV group are stacked as rows of one matmul, so K and V
+    are read once and never repeated per head. Prefill: SDPA with GQA."""
+    b, h, length, d = q.shape
+    kvh = k.shape[1]
+    if length > 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=kvh != h)
+    qg = q.reshape(b, kvh, h // kvh, d)  # query head i belongs to KV head i // (h / kvh)
+    scores = (qg @ k.transpose(-1, -2)).float() * (1.0 / math.sqrt(d))
+    scores = scores.masked_fill(~mask, float("-inf"))  # [B, 1, 1, S] broadcasts over the group
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return (probs @ v).reshape(b, h, 1, d)
+
+
+class MLP(nn.Module):
+    def __init__(self, gate_up: nn.Module, down_proj: nn.Module):
+        super().__init__()
+        self.gate_up, self.down_proj = gate_up, down_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, input_layernorm: RMSNorm, self_attn: Attention, post_attention_layernorm: RMSNorm, mlp: MLP):
+        super().__init__()
+        self.input_layernorm, self.self_attn = input_layernorm, self_attn
+        self.post_attention_layernorm, self.mlp = post_attention_layernorm, mlp
+
+    def forward(self, x, cos, sin, mask, input_pos, attend_len):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos, attend_len)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Decoder(nn.Module):
+    """`model.*` of a transformers checkpoint: embeddings, the blocks and the final norm."""
+
+    def __init__(self, embed_tokens: nn.Embedding, layers: list[Block], norm: RMSNorm):
+        super().__init__()
+        self.embed_tokens, self.layers, self.norm = embed_tokens, nn.ModuleList(layers), norm
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs, model: Decoder, lm_head: nn.Module):
+        super().__init__()
+        self.args, self.model, self.lm_head = args, model, lm_head
+        self.max_batch, self.max_seq_len = 0, 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def setup_caches(self, batch: int, max_seq_len: int) -> None:
+        """Allocate the KV caches and the RoPE table; reused while large enough (and the batch
+        matches, so a captured CUDA graph stays valid). Left padding is reset to none."""
+        if batch != self.max_batch or max_seq_len > self.max_seq_len:
+            dev, a = self.device, self.args
+            for layer in self.model.layers:
+                attn = layer.self_attn
+                attn.kv_cache = KVCache(batch, a.num_kv_heads, max_seq_len, a.head_dim, self.dtype, dev, attn.kv_quant)
+            freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float), inv_frequencies(a.rope, a.head_dim))
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self.register_buffer("rope_cos", emb.cos().to(dev), persistent=False)
+            self.register_buffer("rope_sin", emb.sin().to(dev), persistent=False)
+            self.register_buffer("pad", torch.zeros(batch, dtype=torch.long, device=dev), persistent=False)
+            self.max_batch, self.max_seq_len = batch, max_seq_len
+        self.pad.zero_()
+
+    def set_padding(self, pad: torch.Tensor) -> None:
+        """Leading pad positions per row (copied in place: CUDA graphs keep the buffer)."""
+        self.pad.copy_(pad.to(self.pad.device))
+
+    def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, attend_len: int | None = None,
+                last_only: bool = False) -> torch.Tensor:
+        """Logits `[B, L, vocab]` (`[B, 1, vocab]` with `last_only`) of tokens `idx [B, L]`
+        at cache positions `input_pos [L]`; K/V of these tokens are written to the caches."""
+        if self.max_batch == 0:
+            raise RuntimeError("call setup_caches(batch, max_seq_len) before the forward pass")
+        x = self.model.embed_tokens(idx)
+        cos, sin = self._rope(input_pos, x.dtype)
+        mask = self._mask(input_pos, attend_len or self.max_seq_len)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, mask, input_pos, attend_len)
+        x = self.model.norm(x[:, -1:] if last_only else x)
+        return self.lm_head(x)
+
+    def _rope(self, input_pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = (input_pos[None, :] - self.pad[:, None]).clamp(min=0)  # [B, L]: 0 at each row's first token
+        return self.rope_cos[pos].to(dtype)[:, None], self.rope_sin[pos].to(dtype)[:, None]
+
+    def _mask(self, input_pos: torch.Tensor, length: int) -> torch.Tensor:
+        """`[B, 1, L, S]`: causal, no pad keys; a position always sees itself (pad queries stay
+        finite, so nothing undefined reaches the cache)."""
+        keys = torch.arange(length, device=input_pos.device)
+        q = input_pos[:, None]
+        mask = (keys[None, :] <= q)[None] & (keys[None, None, :] >= self.pad[:, None, None])
+        return (mask | (keys[None, :] == q)[None])[:, None]
+
+    @torch.no_grad()
+    def full_logits(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits of whole sequences from position 0 (evaluation): the caches are set up to fit."""
+        b, length = idx.shape
+        if b != self.max_batch or length > self.max_seq_len:
+            self.setup_caches(b, length)
+        else:
+            self.pad.zero_()
+        return self(idx.to(self.device), torch.arange(length, device=self.device), attend_len=length)
