@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
+import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from conftest import tiny_model
 from quantlab.models.arch import ARCH_SPECS
@@ -43,3 +47,63 @@ def make_canonical(root: Path, tokenizer, model_type: str = "llama", scheme: Wei
     target = root / "quantized"
     save_canonical(target, model, quantized, tokenizer, {"source_model": f"tiny-{model_type}"})
     return target
+
+
+def make_act_canonical(root: Path, tokenizer, model_type: str = "llama", weights: WeightScheme | None = None,
+                       activations=None, kv_cache=None, seed: int = 0, **dims) -> Path:
+    """A canonical directory with calibrated activation / KV ranges (RTN weights, then the
+    act_ranges stage on a few random token batches), as an A8W8 / FP8 / C8 run writes it."""
+    from quantlab.algorithms.act_ranges import ActRanges, canonical_entries
+    from quantlab.algorithms.rtn import RTN
+    from quantlab.engine.sequential import run_sequential
+
+    weights = weights or WeightScheme(bits=8, symmetric=True, group_size=None)
+    model = tiny_model(model_type, seed=seed, **{**EXPORT_DIMS, **dims})
+    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(seed))
+    stage = ActRanges(activations, kv_cache)
+    scales: dict[str, torch.Tensor] = {}
+    quantized = run_sequential(model, ARCH_SPECS[model_type], ids, [RTN(weights), stage], torch.device("cpu"),
+                               scales=scales)
+    target = root / "quantized"
+    save_canonical(target, model, quantized, tokenizer,
+                   {"source_model": f"tiny-{model_type}", **canonical_entries(stage, scales)}, scales=scales)
+    return target
+
+
+# ----------------------------------------------------------------------------- broken exports
+
+
+def broken_copy(src: Path, tag: str) -> Path:
+    """A copy next to the original (so the sidecar's relative canonical path still resolves)."""
+    dst = src.parent / f"{src.name}-broken-{tag}"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def edit_tensors(path: Path, fn, fname="model.safetensors") -> None:
+    tensors = load_file(path / fname)
+    fn(tensors)
+    save_file(tensors, path / fname, metadata={"format": "pt"})
+
+
+def edit_json(path: Path, fn, fname="config.json") -> None:
+    data = json.loads((path / fname).read_text())
+    fn(data)
+    (path / fname).write_text(json.dumps(data))
+
+
+def edit_config(path: Path, fn) -> None:
+    edit_json(path, fn, "config.json")
+
+
+def rejected(path: Path, subject: str, rule: str) -> str:
+    """The export is rejected, with a failure on exactly this subject and rule; the message."""
+    from quantlab.export import api
+    from quantlab.export.checks import ExportInvalid
+
+    report = api.inspect(path)
+    with pytest.raises(ExportInvalid) as err:
+        report.raise_if_invalid()
+    assert any(c.subject == subject and c.rule == rule for c in report.failures), \
+        [c.line() for c in report.failures][:5]
+    return str(err.value)

@@ -3,14 +3,12 @@ with a message naming the tensor or key and the rule it breaks."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from quantlab.cli import app
@@ -18,7 +16,7 @@ from quantlab.export import api
 from quantlab.export.bits import pack_dense
 from quantlab.export.checks import ExportInvalid
 from quantlab.quant.scheme import WeightScheme
-from test_export_helpers import make_canonical
+from test_export_helpers import edit_config, edit_tensors, make_canonical, rejected
 
 ASYM = WeightScheme(bits=4, symmetric=False, group_size=32)
 SYM = WeightScheme(bits=4, symmetric=True, group_size=64)
@@ -45,28 +43,6 @@ def broken_copy(exports, fmt, tmp_path) -> Path:
     dst = src.parent / f"{fmt}-broken-{tmp_path.name}"
     shutil.copytree(src, dst)
     return dst
-
-
-def edit_tensors(path: Path, fn, fname="model.safetensors") -> None:
-    tensors = load_file(path / fname)
-    fn(tensors)
-    save_file(tensors, path / fname, metadata={"format": "pt"})
-
-
-def edit_config(path: Path, fn) -> None:
-    config = json.loads((path / "config.json").read_text())
-    fn(config)
-    (path / "config.json").write_text(json.dumps(config))
-
-
-def rejected(path: Path, subject: str, rule: str) -> str:
-    report = api.inspect(path)
-    with pytest.raises(ExportInvalid) as err:
-        report.raise_if_invalid()
-    message = str(err.value)
-    assert any(c.subject == subject and c.rule == rule for c in report.failures), \
-        [c.line() for c in report.failures][:5]
-    return message
 
 
 @pytest.mark.parametrize("fmt", ["awq", "gptq", "compressed-tensors", "trtllm", "gguf-q4_0"])

@@ -18,9 +18,10 @@ def export(canonical: Path, out: Path, fmt: str, max_shard_bytes: int | None = N
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt!r}: unknown; formats: {', '.join(FORMATS)}")
     src = load_source(canonical)
-    src.require_weight_only(fmt)
     module, options = module_for(fmt)
-    if max_shard_bytes is not None and fmt in ("awq", "gptq", "compressed-tensors"):
+    if not getattr(module, "CARRIES_ACTIVATIONS", False):  # the others check what they can carry
+        src.require_weight_only(fmt)
+    if max_shard_bytes is not None and fmt in ("awq", "gptq", "compressed-tensors", "paddlenlp"):
         options["max_shard_bytes"] = max_shard_bytes
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(out) as tmp:
@@ -45,7 +46,8 @@ def detect(path: Path) -> str:
         if module.matches(path):
             return name
     raise UserError(f"{path}: not a recognised export (looked for a .gguf file, rank0.safetensors, or a "
-                    "config.json quantization_config with quant_method awq, gptq or compressed-tensors)")
+                    "config.json quantization_config with quant_method awq, gptq or compressed-tensors, or a "
+                    "PaddleNLP quant_type)")
 
 
 def inspect(path: Path) -> Report:

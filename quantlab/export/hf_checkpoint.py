@@ -25,18 +25,22 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 def write_checkpoint(src: Canonical, tmp: Path, final: Path, fmt: str, quant_tensors: QuantTensors,
                      quantization_config: dict[str, Any], float_dtype: torch.dtype,
-                     max_shard_bytes: int = DEFAULT_MAX_SHARD, options: dict[str, Any] | None = None) -> None:
+                     max_shard_bytes: int = DEFAULT_MAX_SHARD, options: dict[str, Any] | None = None,
+                     extra: dict[str, torch.Tensor] | None = None, sidecar: dict[str, Any] | None = None) -> None:
+    """`extra`: tensors outside any Linear (KV-cache scales on the attention modules);
+    `sidecar`: `modules` / `extra` for `write_sidecar` (default: the codes fingerprints)."""
     tensors: dict[str, torch.Tensor] = {}
     for name, t in src.tensors.items():
         tensors[name] = t.to(float_dtype) if t.is_floating_point() else t
     for name, qw in src.quantized.items():
         for suffix, t in quant_tensors(name, qw).items():
             tensors[f"{name}.{suffix}"] = t.contiguous()
+    tensors.update({name: t.contiguous() for name, t in (extra or {}).items()})
     tmp.mkdir(parents=True)
     save_sharded(dict(sorted(tensors.items())), tmp, max_shard_bytes)
     write_config(src, tmp, quantization_config, dtype=str(float_dtype).removeprefix("torch."))
     copy_side_files(src.path, tmp)
-    write_sidecar(src, final, tmp, fmt, options or {})
+    write_sidecar(src, final, tmp, fmt, options or {}, **(sidecar or {}))
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -65,9 +69,12 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def check_layout(report: Report, path: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
-                 skip: set[str], per_linear: Callable[[str, int, int], None]) -> list[str]:
+                 skip: set[str], per_linear: Callable[[str, int, int], None],
+                 weight_is_quantized: bool = False) -> list[str]:
     """Names every Linear the config implies, checks its quantized tensors through `per_linear`
-    and the float tensors (embedding, norms, head); returns the expected Linear names."""
+    and the float tensors (embedding, norms, head); returns the expected Linear names.
+    `weight_is_quantized`: the format keeps the codes in `.weight` itself (int8 / FP8), so
+    `per_linear` checks its dtype instead of its absence."""
     check_index(report, path)
     spec = ARCH_SPECS.get(config.get("model_type", ""))
     if not report.check("architecture", "config.json.model_type", spec is not None,
@@ -82,8 +89,9 @@ def check_layout(report: Report, path: Path, config: dict[str, Any], tensors: di
                 report.tensor(tensors, f"{name}.weight", (torch.float16, torch.bfloat16, torch.float32), (out_f, in_f))
                 continue
             expected.append(name)
-            report.check("quantized, not float", name, f"{name}.weight" not in tensors,
-                         "holds a float .weight next to its quantized tensors")
+            if not weight_is_quantized:
+                report.check("quantized, not float", name, f"{name}.weight" not in tensors,
+                             "holds a float .weight next to its quantized tensors")
             per_linear(name, out_f, in_f)
         for norm in ("input_layernorm", "post_attention_layernorm"):
             report.tensor(tensors, f"{spec.layers}.{i}.{norm}.weight", _FLOATS, (hidden,))

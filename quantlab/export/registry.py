@@ -8,11 +8,11 @@ from types import ModuleType
 from typing import Any, Literal, get_args
 
 ExportFormat = Literal["awq", "gptq", "compressed-tensors", "gguf-f16", "gguf-q8_0", "gguf-q4_0", "gguf-q4_1",
-                       "trtllm"]
+                       "trtllm", "paddlenlp"]
 FORMATS: tuple[str, ...] = get_args(ExportFormat)
 
 _MODULES = {"awq": "awq", "gptq": "gptq", "compressed-tensors": "compressed_tensors", "trtllm": "trtllm",
-            "gguf": "gguf_file"}
+            "paddlenlp": "paddlenlp", "gguf": "gguf_file"}
 
 
 def module_for(fmt: str) -> tuple[ModuleType, dict[str, Any]]:
@@ -25,5 +25,5 @@ def module_for(fmt: str) -> tuple[ModuleType, dict[str, Any]]:
 def family_modules() -> dict[str, ModuleType]:
     """One module per on-disk family, in detection order (most specific first)."""
     return {name: importlib.import_module(f"quantlab.export.{mod}")
-            for name, mod in (("gguf", "gguf_file"), ("trtllm", "trtllm"), ("awq", "awq"), ("gptq", "gptq"),
-                              ("compressed-tensors", "compressed_tensors"))}
+            for name, mod in (("gguf", "gguf_file"), ("trtllm", "trtllm"), ("paddlenlp", "paddlenlp"),
+                              ("awq", "awq"), ("gptq", "gptq"), ("compressed-tensors", "compressed_tensors"))}

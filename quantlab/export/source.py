@@ -4,7 +4,11 @@
 also gets `quantlab_export.json`: the format, the canonical directory it came from and a
 fingerprint (sha256) of every Linear's codes, zeros and g_idx, so a validator can decode an
 export with the format's reader and prove the bits landed where the format says: a wrong
-pack order or a swapped fc/gate changes the decoded codes and fails the fingerprint.
+pack order or a swapped fc/gate changes the decoded codes and fails the fingerprint. Formats
+that carry activation and KV-cache scales (compressed-tensors, trtllm, paddlenlp) also
+fingerprint every Linear's scales and the deploy-time activation / KV steps their
+`read_scales` must give back, so an absmax stored where a step belongs is caught too.
+`Canonical` also exposes the canonical form's activation and KV-cache schemes and ranges.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -22,8 +26,9 @@ import torch
 
 from quantlab.errors import UserError
 from quantlab.models.arch import ARCH_SPECS, ArchSpec
+from quantlab.quant.canonical import SCALES_FILE, input_absmax_key, kv_absmax_keys
 from quantlab.quant.primitives import QuantizedWeight, default_g_idx
-from quantlab.quant.scheme import WeightScheme
+from quantlab.quant.scheme import ActivationScheme, KVCacheScheme, WeightScheme
 
 SIDECAR = "quantlab_export.json"
 SIDECAR_VERSION = 1
@@ -39,6 +44,7 @@ class Canonical:
     quant_config: dict[str, Any]
     tensors: dict[str, torch.Tensor]
     quantized: dict[str, QuantizedWeight]
+    scales: dict[str, torch.Tensor] = field(default_factory=dict)  # calibrated absmax (`scales.safetensors`)
 
     @property
     def model_type(self) -> str:
@@ -83,15 +89,65 @@ class Canonical:
         names = [f"{self.spec.layers}.{i}.{lin}" for i in range(n_layers) for lin in self.spec.linears]
         return [n for n in names if n not in self.quantized]
 
+    # ------------------------------------------------------------------ activations and KV cache
+
+    @cached_property
+    def activations(self) -> ActivationScheme | None:
+        """How the Linear inputs are quantized at inference (None: weight-only)."""
+        return _entry_scheme(self.quant_config.get("activations"), ActivationScheme)
+
+    @cached_property
+    def kv_cache(self) -> KVCacheScheme | None:
+        return _entry_scheme(self.quant_config.get("kv_cache"), KVCacheScheme)
+
+    @property
+    def act_modules(self) -> list[str]:
+        return list((self.quant_config.get("activations") or {}).get("modules", []))
+
+    @property
+    def kv_modules(self) -> list[str]:
+        return list((self.quant_config.get("kv_cache") or {}).get("modules", []))
+
+    def input_absmax(self, linear: str) -> torch.Tensor:
+        """The calibrated per-tensor input range of one Linear (fp32, shape `[]`)."""
+        return self._scale(input_absmax_key(linear)).reshape(())
+
+    def kv_absmax(self, attention: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-KV-head absmax of K (after RoPE) and V of one attention module."""
+        k_key, v_key = kv_absmax_keys(attention)
+        return self._scale(k_key), self._scale(v_key)
+
+    def _scale(self, key: str) -> torch.Tensor:
+        if key not in self.scales:
+            raise UserError(f"{self.path}: {SCALES_FILE} has no {key}; rerun the act_ranges stage")
+        return self.scales[key].float()
+
     def require_weight_only(self, fmt: str) -> None:
         """These exporters write integer weight-only checkpoints; anything more would be dropped."""
         fp8 = [n for n, q in self.quantized.items() if q.scheme.type != "int"]
         if fp8:
-            raise UserError(f"{fmt}: {fp8[0]} has FP8 weights; only integer weight-only schemes are exported")
+            raise UserError(f"{fmt}: {fp8[0]} has FP8 weights; only integer weight-only schemes are exported "
+                            f"as {fmt} (export as {CARRIERS})")
         for key, what in (("activations", "activations"), ("kv_cache", "the KV cache")):
             if self.quant_config.get(key):
-                raise UserError(f"{fmt}: this run also quantizes {what}; the export would keep only the weights "
-                                "(activation and KV-cache scale export is not implemented)")
+                raise UserError(f"{fmt}: this run also quantizes {what}; {fmt} would keep only the weights "
+                                f"(export as {CARRIERS}, which carry activation and KV-cache scales)")
+
+    def require_activations_on_quantized(self, fmt: str) -> None:
+        """Formats with one activation scheme per checkpoint: every quantized Linear's input is
+        quantized, and only those."""
+        acts, quantized = set(self.act_modules), set(self.quantized)
+        if acts != quantized:
+            odd = sorted(acts ^ quantized)[0]
+            raise UserError(f"{fmt}: {odd} is quantized in its weights or its inputs but not both; this format "
+                            "takes one activation scheme for every quantized Linear (quantize all inputs or none)")
+
+    def require_kv_on_every_layer(self, fmt: str) -> None:
+        """Formats with one KV-cache setting per model (a quant algo, a quant_type)."""
+        attns = [f"{self.spec.layers}.{i}.self_attn" for i in range(int(self.config["num_hidden_layers"]))]
+        if self.kv_cache is not None and sorted(self.kv_modules) != sorted(attns):
+            raise UserError(f"{fmt}: the KV cache is quantized in {len(self.kv_modules)} of {len(attns)} layers; "
+                            f"{fmt} takes one KV-cache scheme for every layer")
 
     def require_default_g_idx(self, fmt: str) -> None:
         if self.act_order:
@@ -99,8 +155,15 @@ class Canonical:
                             f"input columns); export this model as gptq")
 
 
+CARRIERS = "compressed-tensors, trtllm or paddlenlp"
+
+
+def _entry_scheme(entry: dict[str, Any] | None, model: type) -> Any:
+    return model(**{k: v for k, v in entry.items() if k in model.model_fields}) if entry else None
+
+
 def load_source(path: Path) -> Canonical:
-    from quantlab.quant.canonical import load_canonical
+    from quantlab.quant.canonical import load_canonical, load_scales
 
     if not (path / "quant_config.json").is_file():
         raise UserError(f"{path}: not a quantlab canonical directory (no quant_config.json); "
@@ -111,7 +174,7 @@ def load_source(path: Path) -> Canonical:
         raise UserError(str(exc)) from None
     config = json.loads((path / "config.json").read_text())
     quant_config = json.loads((path / "quant_config.json").read_text())
-    return Canonical(path, config, quant_config, tensors, quantized)
+    return Canonical(path, config, quant_config, tensors, quantized, load_scales(path))
 
 
 def head_dim(config: dict[str, Any]) -> int:
@@ -158,9 +221,20 @@ def sha(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().cpu().numpy().tobytes()).hexdigest()[:32]
 
 
-def fingerprint(qw: QuantizedWeight) -> dict[str, str]:
-    return {"codes": sha(qw.codes.to(torch.uint8)), "zeros": sha(qw.zeros.to(torch.uint8)),
-            "g_idx": sha(qw.g_idx.to(torch.int32))}
+def fingerprint(qw: QuantizedWeight, scales: bool = False) -> dict[str, str]:
+    """FP8 codes are fingerprinted by their bytes (a value cast to uint8 would lose them).
+    `scales`: also the fp32 scales, for formats that store them exactly (or whose exporter
+    passes the scales as the format rounds them)."""
+    codes = qw.codes.view(torch.uint8) if qw.codes.is_floating_point() else qw.codes.to(torch.uint8)
+    out = {"codes": sha(codes), "zeros": sha(qw.zeros.to(torch.uint8)), "g_idx": sha(qw.g_idx.to(torch.int32))}
+    if scales:
+        out["scales"] = sha(qw.scales.float())
+    return out
+
+
+def scale_fingerprints(scales: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Activation / KV steps as a format's `read_scales` returns them (fp32, flattened)."""
+    return {k: sha(v.float().reshape(-1)) for k, v in sorted(scales.items())}
 
 
 def write_sidecar(src: Canonical, final_dir: Path, tmp_dir: Path, fmt: str, options: dict[str, Any],
@@ -187,8 +261,10 @@ def sidecar_source(path: Path) -> Path | None:
     return src if (src / "quant_config.json").is_file() else None
 
 
-def check_fingerprints(report: Any, path: Path, quantized: dict[str, QuantizedWeight]) -> None:
-    """Decoded codes/zeros/g_idx equal what the exporter saw: proves pack order and naming."""
+def check_fingerprints(report: Any, path: Path, quantized: dict[str, QuantizedWeight],
+                       decoded_scales: dict[str, torch.Tensor] | None = None) -> None:
+    """Decoded codes/zeros/g_idx (and scales, where recorded) equal what the exporter saw: proves
+    pack order, naming and scale semantics. `decoded_scales`: the format's `read_scales`."""
     side = read_sidecar(path)
     if side is None:
         report.skip("codes", f"no {SIDECAR} (not written by quantlab): pack order not verifiable")
@@ -198,9 +274,24 @@ def check_fingerprints(report: Any, path: Path, quantized: dict[str, QuantizedWe
         qw = quantized.get(name)
         if not report.check("present", name, qw is not None, "Linear listed in the fingerprint is missing"):
             continue
-        got = fingerprint(qw)
-        for part in ("codes", "zeros", "g_idx"):
+        got = fingerprint(qw, scales="scales" in fp)
+        for part in ("codes", "zeros", "g_idx", "scales"):
             if part in fp:
                 report.check(f"decoded {part}", name, got[part] == fp[part],
                              f"decoded {part} differ from the exported model's (wrong pack order, "
-                             "swapped tensors or a different model)")
+                             "scale semantics, swapped tensors or a different model)")
+    if "scales" in side:
+        check_scale_fingerprints(report, side["scales"], decoded_scales)
+
+
+def check_scale_fingerprints(report: Any, expected: dict[str, str], scales: dict[str, torch.Tensor] | None) -> None:
+    """Decoded activation / KV steps equal the canonical ones (absmax/127 or /448, per tensor or
+    per KV head): catches an absmax written where a step belongs, or the other way round."""
+    got = scale_fingerprints(scales or {})
+    for key, fp in expected.items():
+        if report.check("present", key, key in got, "activation / KV scale listed in the fingerprint is missing"):
+            report.check("decoded scales", key, got[key] == fp,
+                         "decoded step differs from the exported model's (wrong scale semantics: an absmax "
+                         "where a step belongs, a per-head list read with the wrong stride, or another model)")
+    for key in sorted(set(got) - set(expected)):
+        report.check("decoded scales", key, False, "a scale the exported model does not have")
