@@ -21,7 +21,7 @@ from quantlab.export import api, compressed_tensors as ct
 from quantlab.quant.activations import scale_from_absmax
 from quantlab.quant.canonical import load_canonical, load_fake_quant_model, load_scales
 from quantlab.quant.scheme import PRESETS, ActivationScheme, KVCacheScheme, WeightScheme
-from test_export_helpers import broken_copy, edit_config, edit_tensors, make_act_canonical, rejected
+from test_export_helpers import assert_same_weight, broken_copy, edit_config, edit_tensors, make_act_canonical, rejected
 
 STATIC = ActivationScheme(dynamic=False, granularity="tensor")
 STATIC_FP8 = ActivationScheme(type="float", dynamic=False, granularity="tensor")
@@ -55,13 +55,7 @@ def test_round_trip_is_exact(exported, case):
     floats, got = ct.read(out)
     assert set(got) == set(ref)
     for name, qw in ref.items():
-        g = got[name]
-        if qw.codes.is_floating_point():
-            assert torch.equal(g.codes.view(torch.uint8), qw.codes.view(torch.uint8)), name
-        else:
-            assert torch.equal(g.codes, qw.codes), name
-        assert torch.equal(g.zeros, qw.zeros) and torch.equal(g.g_idx, qw.g_idx), name
-        assert torch.equal(g.scales, qw.scales) and g.scheme == qw.scheme, name
+        assert_same_weight(got[name], qw.codes, qw.scales, qw, name)
     assert set(floats) == set(floats_ref)
     qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qcfg["format"] == CASES[case][4] == qcfg["config_groups"]["group_0"]["format"]

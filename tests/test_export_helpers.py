@@ -107,3 +107,30 @@ def rejected(path: Path, subject: str, rule: str) -> str:
     assert any(c.subject == subject and c.rule == rule for c in report.failures), \
         [c.line() for c in report.failures][:5]
     return str(err.value)
+
+
+def export_cases(root: Path, tokenizer, cases: dict, fmt: str,
+                 model_types: tuple[str, ...] = ("llama", "qwen2")) -> dict[tuple[str, str], tuple[Path, Path]]:
+    """(case, model_type) → (canonical dir, export dir) for `cases` of (weights, acts, kv, …)."""
+    from quantlab.export import api
+
+    out = {}
+    for case, (weights, acts, kv, *_) in cases.items():
+        for model_type in model_types:
+            canonical = make_act_canonical(root / case / model_type, tokenizer, model_type, weights, acts, kv)
+            target = canonical.parent / "export" / fmt
+            api.export(canonical, target, fmt)
+            out[case, model_type] = canonical, target
+    return out
+
+
+def assert_same_weight(got: QuantizedWeight, codes: torch.Tensor, scales: torch.Tensor,
+                       ref: QuantizedWeight, name: str) -> None:
+    """Bit-exact codes (FP8 compared as bytes), zeros, g_idx, scales and scheme."""
+    if codes.is_floating_point():
+        assert torch.equal(got.codes.view(torch.uint8), codes.view(torch.uint8)), name
+    else:
+        assert torch.equal(got.codes, codes), name
+    assert torch.equal(got.zeros, ref.zeros) and torch.equal(got.g_idx, ref.g_idx), name
+    assert torch.equal(got.scales, scales), name
+    assert got.scheme == ref.scheme, name

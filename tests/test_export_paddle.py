@@ -23,7 +23,8 @@ from quantlab.quant.activations import scale_from_absmax
 from quantlab.quant.canonical import load_canonical, load_scales
 from quantlab.quant.scheme import PRESETS, ActivationScheme, KVCacheScheme, WeightScheme
 from quantlab.recipe import validate_recipe
-from test_export_helpers import broken_copy, edit_json, edit_tensors, make_act_canonical, rejected
+from test_export_helpers import (assert_same_weight, broken_copy, edit_json, edit_tensors, export_cases,
+                                 make_act_canonical, rejected)
 
 STATIC = ActivationScheme(dynamic=False, granularity="tensor")
 STATIC_FP8 = ActivationScheme(type="float", dynamic=False, granularity="tensor")
@@ -41,15 +42,7 @@ L0 = "qwen2.layers.0"
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory, tokenizer) -> dict[tuple[str, str], tuple[Path, Path]]:
-    root = tmp_path_factory.mktemp("paddle")
-    out = {}
-    for case, (weights, acts, kv, _) in CASES.items():
-        for model_type in ("llama", "qwen2"):
-            canonical = make_act_canonical(root / case / model_type, tokenizer, model_type, weights, acts, kv)
-            target = canonical.parent / "export" / "paddlenlp"
-            api.export(canonical, target, "paddlenlp")
-            out[case, model_type] = canonical, target
-    return out
+    return export_cases(tmp_path_factory.mktemp("paddle"), tokenizer, CASES, "paddlenlp")
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
@@ -60,14 +53,7 @@ def test_round_trip_is_exact(exported, case, model_type):
     floats, got = paddlenlp.read(out)
     assert set(got) == set(ref)
     for name, qw in ref.items():
-        g = got[name]
-        if qw.codes.is_floating_point():
-            assert torch.equal(g.codes.view(torch.uint8), qw.codes.view(torch.uint8)), name
-        else:
-            assert torch.equal(g.codes, qw.codes), name
-        assert torch.equal(g.zeros, qw.zeros) and torch.equal(g.g_idx, qw.g_idx), name
-        assert torch.equal(g.scales, qw.scales), name
-        assert g.scheme == qw.scheme, name
+        assert_same_weight(got[name], qw.codes, qw.scales, qw, name)
     assert set(floats) == set(floats_ref)
     for name, t in floats_ref.items():
         assert torch.equal(floats[name], t), name

@@ -20,7 +20,8 @@ from quantlab.export import api, trtllm
 from quantlab.quant.activations import scale_from_absmax
 from quantlab.quant.canonical import load_canonical, load_scales
 from quantlab.quant.scheme import PRESETS, ActivationScheme, KVCacheScheme, WeightScheme
-from test_export_helpers import broken_copy, edit_config, edit_tensors, make_act_canonical, rejected
+from test_export_helpers import (assert_same_weight, broken_copy, edit_config, edit_tensors, export_cases,
+                                 make_act_canonical, rejected)
 
 PER_TOKEN = ActivationScheme()
 STATIC_FP8 = ActivationScheme(type="float", dynamic=False, granularity="tensor")
@@ -38,15 +39,7 @@ L0 = "transformer.layers.0"
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory, tokenizer) -> dict[tuple[str, str], tuple[Path, Path]]:
     """(case, model_type) → (canonical dir, export dir)."""
-    root = tmp_path_factory.mktemp("trt")
-    out = {}
-    for case, (weights, acts, kv, _) in CASES.items():
-        for model_type in ("llama", "qwen2"):
-            canonical = make_act_canonical(root / case / model_type, tokenizer, model_type, weights, acts, kv)
-            target = canonical.parent / "export" / "trtllm"
-            api.export(canonical, target, "trtllm")
-            out[case, model_type] = canonical, target
-    return out
+    return export_cases(tmp_path_factory.mktemp("trt"), tokenizer, CASES, "trtllm")
 
 
 def fused(names: list[str], ref) -> float:
@@ -72,11 +65,7 @@ def test_round_trip_codes_and_scales(exported, case, model_type):
             scales = torch.full_like(scales, top)
         elif case == "awq":
             scales = scales.half().float()
-        assert torch.equal(g.codes.view(torch.uint8), codes.view(torch.uint8)) if codes.is_floating_point() \
-            else torch.equal(g.codes, codes), name
-        assert torch.equal(g.zeros, qw.zeros) and torch.equal(g.g_idx, qw.g_idx), name
-        assert torch.equal(g.scales, scales), name
-        assert g.scheme == qw.scheme, name
+        assert_same_weight(g, codes, scales, qw, name)
     for name, t in floats_ref.items():
         assert torch.equal(floats[name].float(), t.half().float()), name
 

@@ -280,8 +280,7 @@ def validate(path: Path) -> Report:
             expect(f"{trt}.{norm}.weight", FP16, (hidden,))
             for s in layout.norm_specs():
                 expect(f"{trt}.{norm}.{s.suffix}", s.dtype, s.shape)
-            if hasattr(layout, "check_norm"):
-                layout.check_norm(report, tensors, f"{trt}.{norm}")
+            layout.check_norm(report, tensors, f"{trt}.{norm}")
         for module, parts in MODULES.items():
             out_f, in_f = sum(shapes[p][0] for p in parts), shapes[parts[0]][1]
             name = f"{trt}.{module}"

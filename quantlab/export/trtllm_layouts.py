@@ -78,7 +78,30 @@ def _positive_check(report: Report, t: torch.Tensor | None, name: str) -> None:
                      "a step size must be > 0 and finite")
 
 
-class W4A16AWQ:
+class _Layout:
+    """Defaults shared by the layouts: per-channel/tensor scales (no groups, no padding, no
+    pre-quant scale) and no tensors on the norms."""
+
+    def quantization(self, src: Canonical) -> dict[str, Any]:
+        return {"group_size": DEFAULT_GROUP, "has_zero_point": False, "pre_quant_scale": False}
+
+    def pad_multiple(self, src: Canonical) -> int | None:
+        return None
+
+    def stored(self, parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
+        return parts
+
+    def norm_tensors(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def norm_specs(self) -> list[Spec]:
+        return []
+
+    def check_norm(self, report: Report, tensors: dict[str, torch.Tensor], name: str) -> None:
+        """Rules for the norm tensors, where a layout has any."""
+
+
+class W4A16AWQ(_Layout):
     quant_algo = "W4A16_AWQ"
 
     def check(self, src: Canonical) -> None:
@@ -110,17 +133,11 @@ class W4A16AWQ:
                 "weights_scaling_factor": qw.scales.to(FP16),
                 "prequant_scaling_factor": torch.ones(qw.codes.shape[1], dtype=FP16)}
 
-    def norm_tensors(self) -> dict[str, torch.Tensor]:
-        return {}
-
     def specs(self, module: str, out_f: int, in_f: int, quant: dict[str, Any]) -> list[Spec]:
         group = int(quant["group_size"])
         return [Spec("weight", torch.int8, (out_f // 2, in_f)),
                 Spec("weights_scaling_factor", FP16, (out_f, in_f // group)),
                 Spec("prequant_scaling_factor", FP16, (in_f,))]
-
-    def norm_specs(self) -> list[Spec]:
-        return []
 
     def check_values(self, report: Report, tensors: dict[str, torch.Tensor], name: str, module: str) -> None:
         _ones_check(report, tensors.get(f"{name}.prequant_scaling_factor"), f"{name}.prequant_scaling_factor",
@@ -137,7 +154,7 @@ class W4A16AWQ:
                                WeightScheme(bits=4, symmetric=True, group_size=group))
 
 
-class W8A8SmoothQuant:
+class W8A8SmoothQuant(_Layout):
     quant_algo = "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN"
 
     def check(self, src: Canonical) -> None:
@@ -151,15 +168,6 @@ class W8A8SmoothQuant:
                             f"activation scheme is {got} (use act_ranges activations {{type: int, dynamic: true, "
                             "granularity: token}}; static per-tensor SmoothQuant is not exported)")
         src.require_activations_on_quantized("trtllm")
-
-    def quantization(self, src: Canonical) -> dict[str, Any]:
-        return {"group_size": DEFAULT_GROUP, "has_zero_point": False, "pre_quant_scale": False}
-
-    def pad_multiple(self, src: Canonical) -> int | None:
-        return None
-
-    def stored(self, parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
-        return parts
 
     def module_tensors(self, src: Canonical, module: str, parts: list[str],
                        qw: QuantizedWeight) -> dict[str, torch.Tensor]:
@@ -199,7 +207,7 @@ class W8A8SmoothQuant:
                                WeightScheme(bits=8, symmetric=True, group_size=None))
 
 
-class FP8:
+class FP8(_Layout):
     quant_algo = "FP8"
 
     def check(self, src: Canonical) -> None:
@@ -213,12 +221,6 @@ class FP8:
                             f"activation scheme is {got} (use act_ranges activations {{type: float, dynamic: "
                             "false, granularity: tensor}})")
         src.require_activations_on_quantized("trtllm")
-
-    def quantization(self, src: Canonical) -> dict[str, Any]:
-        return {"group_size": DEFAULT_GROUP, "has_zero_point": False, "pre_quant_scale": False}
-
-    def pad_multiple(self, src: Canonical) -> int | None:
-        return None
 
     def stored(self, parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
         """Parts of one fused Linear requantized to their largest per-tensor scale."""
@@ -237,15 +239,9 @@ class FP8:
                 "weights_scaling_factor": qw.scales[:1, 0].float(),
                 "activation_scaling_factor": scale_from_absmax(absmax, "fp8").reshape(1)}
 
-    def norm_tensors(self) -> dict[str, torch.Tensor]:
-        return {}
-
     def specs(self, module: str, out_f: int, in_f: int, quant: dict[str, Any]) -> list[Spec]:
         return [Spec("weight", torch.float8_e4m3fn, (out_f, in_f)), Spec("weights_scaling_factor", FP32, (1,)),
                 Spec("activation_scaling_factor", FP32, (1,))]
-
-    def norm_specs(self) -> list[Spec]:
-        return []
 
     def check_values(self, report: Report, tensors: dict[str, torch.Tensor], name: str, module: str) -> None:
         for suffix in ("weights_scaling_factor", "activation_scaling_factor"):

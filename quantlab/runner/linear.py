@@ -68,38 +68,35 @@ class WNA16Linear(nn.Module):
         return F.linear(x, self._dense, self.bias)
 
 
-class W8A8Linear(nn.Module):
+class _ScaledLinear(nn.Module):
+    """8-bit weights × 8-bit inputs in one scaled GEMM; subclasses name the kernel pair."""
+
+    kernel = staticmethod(ops.w8a8_mm)
+    fallback = staticmethod(reference.w8a8_mm)
+
+    def __init__(self, packed: PackedW8A8 | PackedFP8, act: InputQuant, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.packed, self.act = packed, act
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.out_features = packed.w.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        xq, sx = self.act.quantize(x2)
+        mm = self.kernel if _kernels_for(x, (9, 0)) else self.fallback
+        y = mm(xq, sx, self.packed, x.dtype)
+        return _add_bias(y, self.bias).reshape(*x.shape[:-1], self.out_features)
+
+
+class W8A8Linear(_ScaledLinear):
     """int8 weights (per channel) × int8 inputs (per token or per tensor), one integer GEMM."""
 
-    def __init__(self, packed: PackedW8A8, act: InputQuant, bias: torch.Tensor | None = None):
-        super().__init__()
-        self.packed, self.act = packed, act
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.out_features = packed.w.shape[0]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        xq, sx = self.act.quantize(x2)
-        mm = ops.w8a8_mm if _kernels_for(x, (9, 0)) else reference.w8a8_mm
-        y = mm(xq, sx, self.packed, x.dtype)
-        return _add_bias(y, self.bias).reshape(*x.shape[:-1], self.out_features)
-
-
-class FP8Linear(nn.Module):
+class FP8Linear(_ScaledLinear):
     """FP8 e4m3 weights (per channel or tensor) × FP8 inputs (per token or per tensor)."""
 
-    def __init__(self, packed: PackedFP8, act: InputQuant, bias: torch.Tensor | None = None):
-        super().__init__()
-        self.packed, self.act = packed, act
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.out_features = packed.w.shape[0]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        xq, sx = self.act.quantize(x2)
-        mm = ops.fp8_mm if _kernels_for(x, (9, 0)) else reference.fp8_mm
-        y = mm(xq, sx, self.packed, x.dtype)
-        return _add_bias(y, self.bias).reshape(*x.shape[:-1], self.out_features)
+    kernel = staticmethod(ops.fp8_mm)
+    fallback = staticmethod(reference.fp8_mm)
 
 
 class QuantInput(nn.Module):
