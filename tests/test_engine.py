@@ -124,3 +124,17 @@ def test_unsupported_architecture_is_a_user_error() -> None:
     model.config.model_type = "gpt2"
     with pytest.raises(UserError, match=r"^model: architecture 'gpt2' is not supported"):
         arch_spec_for(model)
+
+
+def test_data_free_stages_run_no_calibration_forward() -> None:
+    """RTN alone never runs the layers (no calibration forward), and encodes the same codes."""
+    model, reference = tiny_model("llama", seed=4), tiny_model("llama", seed=4)
+    calls = []
+    for layer in arch_spec_for(model).decoder_layers(model):
+        layer.register_forward_pre_hook(lambda *_: calls.append(1))
+    quantized = run_sequential(model, arch_spec_for(model), ids(3, seed=2), [RTN(SCHEME)], CPU)
+    assert calls == []
+    expected = run_sequential(reference, arch_spec_for(reference), ids(3, seed=2), [RTN(SCHEME), Spy()], CPU)
+    assert set(quantized) == set(expected)
+    for name, qw in quantized.items():
+        assert torch.equal(qw.codes, expected[name].codes) and torch.equal(qw.scales, expected[name].scales)

@@ -13,6 +13,7 @@ from quantlab.quant.scheme import WeightScheme
 class RTN:
     scheme: WeightScheme
     ignore: list[str] = field(default_factory=list)
+    data_free = True  # the engine skips calibration forwards when every stage is data-free
 
     def apply(self, ctx: LayerContext) -> dict[str, QuantizedWeight]:
         return {

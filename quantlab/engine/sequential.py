@@ -59,6 +59,8 @@ class LayerAlgorithm(Protocol):
 
     `apply` may observe the layer (through `ctx.forward()`), change its float parameters
     (AWQ/SmoothQuant scale folding) and return canonical codes for some of its Linears.
+    An algorithm with a true `data_free` attribute (RTN) never looks at activations; when
+    every algorithm is data-free the engine runs no calibration forward at all.
     """
 
     def apply(self, ctx: LayerContext) -> dict[str, QuantizedWeight]: ...
@@ -137,7 +139,8 @@ def run_sequential(
 ) -> dict[str, QuantizedWeight]:
     """Quantize every decoder layer in order; returns canonical codes keyed by full Linear name.
     Ranges the algorithms put in `ctx.scales` are added to `scales` (if given) under full names."""
-    batches = capture_layer0_inputs(model, spec, input_ids, batch_size, device)
+    observe = not all(getattr(algorithm, "data_free", False) for algorithm in algorithms)
+    batches = capture_layer0_inputs(model, spec, input_ids, batch_size, device) if observe else []
     layers = spec.decoder_layers(model)
     quantized: dict[str, QuantizedWeight] = {}
     for index, layer in enumerate(layers):
@@ -150,8 +153,8 @@ def run_sequential(
         # after AWQ (rtn, gptq) must re-encode AWQ's rescaled float weights, not its rounding.
         for name, qw in ctx.quantized.items():
             ctx.linear(name).weight.data.copy_(qw.dequantize().to(ctx.linear(name).weight.dtype))
-        outputs = ctx.forward()
-        batches = [Batch(out, b.kwargs) for out, b in zip(outputs, batches)]
+        if observe:
+            batches = [Batch(out, b.kwargs) for out, b in zip(ctx.forward(), batches)]
         layer.to("cpu")
         quantized.update({f"{ctx.prefix}.{name}": _cpu(qw) for name, qw in ctx.quantized.items()})
         if scales is not None:
