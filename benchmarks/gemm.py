@@ -197,10 +197,6 @@ def run(args) -> dict:
             if case.tiny is not None:
                 packed, sz = case.tiny
                 variants["tinygemm"] = (lambda: torch.ops.aten._weight_int4pack_mm(x, packed, GROUP, sz), ref4)
-            if m == 1:
-                variants["w4a16_mma"] = (lambda: wna16_matmul(x, case.w4, impl="gemv"), ref4)
-            if 1 < m <= 16:
-                variants["w4a16_fma"] = (lambda: wna16_matmul(x, case.w4, impl="fma"), ref4)
             times = {}
             for kind, (fn, ref) in variants.items():
                 rec = {"shape": name, "K": k, "N": n, "M": m, "kind": kind}
@@ -241,9 +237,9 @@ def autotune_choices() -> dict:
     from quantlab.kernels import triton_scaled, triton_wna16
 
     out = {}
-    for label, tuner in (("fma", triton_wna16._FMA), ("gemv", triton_wna16._MMA_GEMV),
-                         ("mid", triton_wna16._MMA_MID), ("tiled", triton_wna16._MMA_TILED),
-                         ("scaled_small", triton_scaled._SMALL), ("scaled_large", triton_scaled._LARGE)):
+    tuners = [(f"wna16_m{b}", t) for b, t in triton_wna16.TUNERS.items()]
+    for label, tuner in (*tuners, ("scaled_small", triton_scaled._SMALL),
+                         ("scaled_large", triton_scaled._LARGE)):
         out[label] = {str(kk): str(v) for kk, v in getattr(tuner, "cache", {}).items()}
     return out
 

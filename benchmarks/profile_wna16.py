@@ -1,7 +1,7 @@
 """Run one WNA16 kernel launch per variant with fixed configs (no autotuning), for Nsight Compute:
 
-    ncu --kernel-name regex:'wna16|int4' --launch-skip 1 --launch-count 1 --section ... \\
-        python benchmarks/profile_wna16.py --which fma
+    ncu --clock-control none --kernel-name regex:wna16 --launch-skip 1 --launch-count 1 \\
+        --section ... python benchmarks/profile_wna16.py --which m1
 """
 
 from __future__ import annotations
@@ -15,16 +15,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemm import GROUP, _import_kernels, tinygemm_pack  # noqa: E402
 
-VARIANTS = {
-    "fma": (1, "fma", dict(BLOCK_N=128, SPLIT_K=16, R=8, num_warps=1, num_stages=1)),
-    "gemv": (16, "gemv", dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=4, SWAP=True, FOLD=True, num_warps=4,
-                              num_stages=3)),
+VARIANTS = {  # name: (M, config)
+    "m1": (1, dict(BLOCK_M=16, BLOCK_N=128, SPLIT_K=8, U=2, num_warps=4,
+                   num_stages=2)),
+    "m16": (16, dict(BLOCK_M=16, BLOCK_N=128, SPLIT_K=4, U=2, num_warps=4,
+                     num_stages=2)),
+    "m64": (64, dict(BLOCK_M=64, BLOCK_N=128, SPLIT_K=4, U=2, num_warps=8,
+                     num_stages=3)),
 }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--which", default="fma", choices=[*VARIANTS, "tinygemm"])
+    ap.add_argument("--which", default="m1", choices=[*VARIANTS, "tinygemm"])
     ap.add_argument("--k", type=int, default=3584)
     ap.add_argument("--n", type=int, default=18944)
     args = ap.parse_args()
@@ -41,11 +44,11 @@ def main() -> None:
         for _ in range(3):
             torch.ops.aten._weight_int4pack_mm(x, packed, GROUP, sz)
     else:
-        m, impl, cfg = VARIANTS[args.which]
+        m, cfg = VARIANTS[args.which]
         p = qk.pack_wna16(q4, torch.bfloat16)
         x = torch.randn(m, args.k, device="cuda", dtype=torch.bfloat16)
         for _ in range(3):
-            wna16_matmul(x, p, impl=impl, config=cfg)
+            wna16_matmul(x, p, config=cfg)
     torch.cuda.synchronize()
 
 

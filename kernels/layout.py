@@ -3,23 +3,26 @@
 Canonical form (quantlab.quant.primitives.QuantizedWeight): codes uint8 `[N, K]` (N = out,
 K = in), scales f32 `[N, groups]`, zeros uint8 `[N, groups]`, g_idx int32 `[K]`.
 
-**WNA16 layout (W4A16, W8A16)** — built for a memory-bound GEMV on Hopper:
+**WNA16 layout (W4A16, W8A16)** — built so the tensor cores take the weights straight from
+the loaded words, with no shuffle of the dequantized values:
 
-* `qweight` is int32 `[Kp·bits/32, N]`: word row r holds k = `r·P … r·P + P−1` (P = 32/bits
-  codes per word, lowest bits first) for every output column — GPTQ's qweight order, with N
-  contiguous so a 16-byte load gives 4 columns × 8 nibbles and a warp reads 512 contiguous
-  bytes. K is padded to a multiple of 128 with code 0 (the kernels zero the activations past K,
-  so the pad contributes nothing).
-* The kernels read tiles of 16 word rows × BLOCK_N columns (K = 128 for int4). Each code is
-  turned into an exact float with one LOP3 (mask | 2^23 exponent) and one FMA, then the codes
-  of a word are joined along a new register axis, so the `[BN, 128]` operand is in K order
-  with no data movement; the tensor cores (or CUDA-core FMAs at M = 1) take it from there.
+* `qweight` is int32 `[Kp·bits/32, N]` (N contiguous; K padded to a multiple of 128 with code
+  0 — the kernels zero the activations past K, so the pad contributes nothing). Columns are
+  independent, so Linears that share an input can be fused by concatenating along N.
+* Within a column, K is permuted in blocks of 8 words (BK = 8·P codes, P = 32/bits codes per
+  word: 64 for int4, 32 for int8): word j, slot s = (P/2)·h + d (bits s·bits…) holds
+  k = 16·d + 2·j + h of the block (`kernel_k_order`). Then `(w >> d·bits) & 0x000F000F` puts
+  the codes of k = 16d + 2j and 16d + 2j + 1 in the two 16-bit halves of one register, and
+  OR-ing the exponent of 128 (bf16) or 1024 (fp16) turns them into the exact half-precision
+  pair `128 + q` that the MMA's A-operand fragment wants for row n, k pair (2j, 2j+1) of a
+  K = 16 slice d: one LOP3 (+ one shift) per two codes, the zero point one packed
+  subtract. The K = 16 slice d reads the contiguous activations `x[16d : 16d + 16]`.
 * `scales` and `zeros` are `[groups, N]` floats in the activation dtype by default (integer
-  zero points are exact in bf16/fp16); dequant is `w = (q − z)·s`. The zero point is not
-  pre-multiplied: it folds into the constant of the FMA above, so `q − z` costs nothing
-  extra, and when a group spans a whole tile the scale is applied once per output and tile.
-* Any group size that is a multiple of P (every WeightScheme group size) is supported; group
-  tails (K not a multiple of G) follow `g = k // G`.
+  zero points are exact in bf16/fp16); dequant is `w = (q − z)·s`. The MMA runs on the exact
+  `q − z` and the scale multiplies each group's partial product once per output.
+* Any group size that is a multiple of P (every WeightScheme group size) is supported; groups
+  that are multiples of BK take the fast path, smaller ones scale each weight before the MMA.
+  Group tails (K not a multiple of G) follow `g = k // G`.
 * Act-order (GPTQ `desc_act`): when `g_idx` is not `i // G` but sorting the columns by group
   gives `i // G`, the columns are stored in that sorted order and `perm` is kept; the forward
   pass gathers `x[..., perm]` first (one extra read of the activations, which is cheap next to
@@ -46,9 +49,9 @@ BLOCK_K = 128
 
 @dataclass
 class PackedWNA16:
-    """Weight-only int4/int8 weights in the slot-interleaved layout (see module docstring)."""
+    """Weight-only int4/int8 weights in the MMA-ordered layout (see module docstring)."""
 
-    qweight: torch.Tensor  # int32 [Kp * bits / 32, N], sequential codes along K
+    qweight: torch.Tensor  # int32 [Kp * bits / 32, N], K permuted per block (kernel_k_order)
     scales: torch.Tensor  # [groups, N]
     zeros: torch.Tensor  # [groups, N], integer zero points stored as floats
     bits: int
@@ -136,6 +139,16 @@ def unpack_kn(qweight: torch.Tensor, bits: int) -> torch.Tensor:
     return unpack(qweight.t(), bits, qweight.shape[0] * (32 // bits)).t()
 
 
+def kernel_k_order(kp: int, bits: int) -> torch.Tensor:
+    """Source k of each stored code position along a column (see the module docstring):
+    stored position `BK·b + P·j + (P/2)·h + d` holds k = `BK·b + 16·d + 2·j + h`."""
+    per = 32 // bits
+    bk = 8 * per
+    j, h, d = torch.meshgrid(torch.arange(8), torch.arange(2), torch.arange(per // 2), indexing="ij")
+    within = (16 * d + 2 * j + h).reshape(-1)
+    return (torch.arange(kp // bk)[:, None] * bk + within[None, :]).reshape(-1)
+
+
 def pack_wna16(qw: QuantizedWeight, dtype: torch.dtype = torch.bfloat16,
                scale_dtype: torch.dtype | None = None) -> PackedWNA16:
     """Repack canonical int4/int8 weights for the WNA16 kernels.
@@ -152,6 +165,7 @@ def pack_wna16(qw: QuantizedWeight, dtype: torch.dtype = torch.bfloat16,
     kp = -(-k // BLOCK_K) * BLOCK_K
     codes_kn = torch.zeros(kp, n, dtype=torch.uint8, device=codes.device)
     codes_kn[:k] = codes.t()
+    codes_kn = codes_kn[kernel_k_order(kp, bits).to(codes.device)]
     sd = scale_dtype or dtype
     scales = qw.scales.float().t().contiguous().to(sd)  # [groups, N]
     zeros = qw.zeros.float().t().contiguous().to(sd)
@@ -160,7 +174,10 @@ def pack_wna16(qw: QuantizedWeight, dtype: torch.dtype = torch.bfloat16,
 
 def dequantize_wna16(p: PackedWNA16) -> torch.Tensor:
     """Float32 weight `[N, K]` in the ORIGINAL column order (what the layer computes)."""
-    codes = unpack_kn(p.qweight, p.bits)[: p.in_features].float()  # [K, N]
+    stored = unpack_kn(p.qweight, p.bits)  # [Kp, N], kernel order
+    codes = torch.empty_like(stored)
+    codes[kernel_k_order(stored.shape[0], p.bits).to(stored.device)] = stored
+    codes = codes[: p.in_features].float()  # [K, N]
     g = p.group_size or p.in_features
     gi = torch.arange(p.in_features, device=codes.device) // g
     w = (codes - p.zeros.float()[gi]) * p.scales.float()[gi]  # [K, N], stored (permuted) order

@@ -69,6 +69,21 @@ def test_pack_kn_roundtrip(bits):
     assert ((words[1, 3].item()) & (2**bits - 1)) == codes[p, 3].item()
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_kernel_k_order_pairs_codes_for_the_mma_fragment(bits):
+    """Within each block of 8 words, word j's slots d and d + P/2 hold k = 16d + 2j and
+    16d + 2j + 1 (the two halves of one MMA register after `(w >> d·bits) & mask`)."""
+    per = 32 // bits
+    order = layout.kernel_k_order(256, bits)
+    assert torch.equal(order.sort().values, torch.arange(256))
+    block = order[: 8 * per].reshape(8, per)  # [word j, slot s]
+    for j in range(8):
+        for d in range(per // 2):
+            assert block[j, d] == 16 * d + 2 * j
+            assert block[j, d + per // 2] == 16 * d + 2 * j + 1
+    assert torch.equal(order[8 * per: 16 * per], order[: 8 * per] + 8 * per)
+
+
 @pytest.mark.parametrize("bits,group,symmetric", [(4, 128, False), (4, 32, True), (4, None, False),
                                                   (8, None, True), (8, 64, False)])
 def test_dequantize_matches_canonical(bits, group, symmetric):
@@ -148,29 +163,26 @@ def test_dispatch_falls_back_to_reference_without_triton(monkeypatch):
 # ------------------------------------------------------------------------------------------
 # Triton kernels through the interpreter
 
-WNA16_CASES = [  # bits, group, impl, config (None = the interpreter default), dtype
-    (4, 128, "fma", None, torch.float16),
-    (4, 32, "fma", dict(BLOCK_N=64, SPLIT_K=1, R=4), torch.bfloat16),
-    (8, None, "fma", None, torch.float16),
-    (4, 128, "gemv", dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=2, SWAP=True, FOLD=True, JOIN=True),
-     torch.bfloat16),
-    (4, 64, "gemv", dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=2, SWAP=False, FOLD=True, JOIN=False),
-     torch.float16),
-    (4, None, "gemv", None, torch.float16),
-    (8, 64, "mid", dict(BLOCK_M=32, BLOCK_N=32, SPLIT_K=1, SWAP=True, FOLD=True, JOIN=False),
-     torch.float16),
-    (8, 256, "tiled", None, torch.bfloat16),
-    (4, 128, "tiled", dict(BLOCK_M=32, BLOCK_N=32, SPLIT_K=1, SWAP=True, FOLD=False, JOIN=True),
-     torch.float16),
+WNA16_CASES = [  # bits, group, M, impl, config (None = the interpreter default), dtype
+    (4, 128, 1, "auto", None, torch.bfloat16),
+    (4, 32, 1, "auto", dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=1, U=2, PF=False), torch.bfloat16),
+    (8, None, 1, "auto", None, torch.float16),
+    (4, 128, 3, "auto", dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=3, U=2, PF=True), torch.bfloat16),
+    (4, 64, 3, "auto", dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=2, U=2, PF=False), torch.float16),
+    (4, None, 3, "auto", None, torch.float16),
+    (8, 64, 37, "auto", dict(BLOCK_M=32, BLOCK_N=32, SPLIT_K=1, U=2, PF=True), torch.float16),
+    (8, 256, 37, "auto", None, torch.bfloat16),
+    (4, 128, 70, "auto", None, torch.float16),  # M > 64: dequantize + matmul
+    (4, 16, 70, "dequant", None, torch.bfloat16),
+    (8, None, 5, "dequant", None, torch.float16),
 ]
 
 
 @needs_triton
-@pytest.mark.parametrize("bits,group,impl,config,dtype", WNA16_CASES)
-def test_wna16_kernel_matches_reference(bits, group, impl, config, dtype):
+@pytest.mark.parametrize("bits,group,m,impl,config,dtype", WNA16_CASES)
+def test_wna16_kernel_matches_reference(bits, group, m, impl, config, dtype):
     from quantlab.kernels.triton_wna16 import wna16_matmul
 
-    m = 1 if impl == "fma" else 3 if impl == "gemv" else 37
     qw = canonical(72, 300, bits, group, seed=bits + (group or 0))  # N, K: no tile multiples
     p = layout.pack_wna16(qw, dtype)
     x = torch.randn(m, 300).to(dtype)
@@ -181,20 +193,19 @@ def test_wna16_kernel_matches_reference(bits, group, impl, config, dtype):
 
 
 @needs_triton
-def test_wna16_split_k_workspace_is_left_clean():
-    """The last split re-zeroes the shared workspace and counters: a second call (other data,
-    same buffers) must be right too, and the buffers must be zero afterwards."""
+def test_wna16_split_k_counters_are_left_clean():
+    """The last split resets its tile counter: a second call (other data, same buffers) must be
+    right too, and the counters must be zero afterwards."""
     from quantlab.kernels import triton_wna16 as tw
 
-    cfg = dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=3, SWAP=False, FOLD=True, JOIN=True)
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=3, U=1, PF=True)
     qw = canonical(40, 384, 4, 128)
     p = layout.pack_wna16(qw, torch.float16)
     for seed in (0, 1):
         x = torch.randn(2, 384, generator=torch.Generator().manual_seed(seed)).half()
-        y = tw.wna16_matmul(x, p, impl="gemv", config=cfg)
+        y = tw.wna16_matmul(x, p, config=cfg)
         assert rel_err(y, reference.wna16_mm(x, p)) < TOL[torch.float16]
-    for buf in tw._WORKSPACE.values():
-        assert not buf.any()
+    assert not tw._WORKSPACE[(str(x.device), torch.int32)].any()
 
 
 @needs_triton
@@ -204,7 +215,7 @@ def test_wna16_act_order_kernel():
     qw = act_order(canonical(40, 256, 4, 64))
     p = layout.pack_wna16(qw, torch.float16)
     x = torch.randn(2, 256).half()
-    y = wna16_matmul(x, p, impl="gemv")
+    y = wna16_matmul(x, p)
     assert rel_err(y, x.float() @ qw.dequantize().t()) < 3e-3
 
 

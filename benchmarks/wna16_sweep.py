@@ -1,0 +1,100 @@
+"""Config sweep for the W4A16 kernel at decode sizes (run on the device machine).
+
+Times every explicit config (no autotuning) of quantlab.kernels.triton_wna16 on the given
+shapes and token counts next to bf16 cuBLAS and torch's tinygemm, the same way as
+benchmarks/gemm.py (CUDA-graph replays, do_bench with L2 flushed), checks each against the
+torch reference, and prints the best configs per case; `--out DIR` also writes
+`wna16_sweep.json` there. Used to pick CONFIGS in the kernel module:
+
+    python benchmarks/wna16_sweep.py --shapes qwen_up,qwen_down --ms 1,16,64 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gemm import GROUP, SHAPES, Case, _import_kernels, bench, graphed, rel_err  # noqa: E402
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, U, PF, maxnreg) per M bucket; split-K is swept.
+DECODE = [(16, 128, 4, 2, 2, pf, r) for pf in (True, False) for r in (None, 96)] + [
+    (16, 128, 4, 3, 2, True, None), (16, 256, 4, 2, 2, True, None), (16, 256, 4, 2, 2, False, None),
+    (16, 64, 4, 2, 2, True, None), (16, 128, 4, 2, 1, True, 96)]
+SMALL = [(64, 128, 8, 2, 2, pf, None) for pf in (True, False)] + [
+    (64, 128, 8, 3, 2, False, None), (64, 64, 4, 3, 2, True, None), (64, 64, 4, 3, 2, False, None),
+    (64, 256, 8, 2, 2, False, None), (32, 128, 4, 2, 2, True, None)]
+SPLITS = (1, 2, 4, 8, 16)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="qwen_up,qwen_down")
+    ap.add_argument("--ms", default="1,16,64")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--top", type=int, default=6)
+    args = ap.parse_args()
+    qk = _import_kernels()
+    from quantlab.kernels import reference
+    from quantlab.kernels.triton_wna16 import wna16_matmul
+
+    dev = torch.cuda.get_device_properties(0)
+    print(f"# {dev.name}, {dev.multi_processor_count} SMs", flush=True)
+    results = []
+    t_start = time.time()
+    for name in args.shapes.split(","):
+        k, n = SHAPES[name]
+        case = Case(qk, k, n)
+        for m in [int(v) for v in args.ms.split(",")]:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = reference.wna16_mm(x, case.w4)
+            case.setup_tinygemm(x, ref)
+            base = {"bf16": bench(graphed(lambda: F.linear(x, case.w)))}
+            if case.tiny is not None:
+                packed, sz = case.tiny
+                base["tinygemm"] = bench(graphed(
+                    lambda: torch.ops.aten._weight_int4pack_mm(x, packed, GROUP, sz)))
+            rows = []
+            nblk = case.w4.qweight.shape[0] // 8
+            for bm, bn, w, st, u, pf, r in (DECODE if m <= 16 else SMALL):
+                for sk in SPLITS:
+                    if sk > 1 and nblk // u < 2 * sk:
+                        continue
+                    cfg = dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=sk, U=u,
+                               PF=pf, num_warps=w, num_stages=st, maxnreg=r)
+                    fn = lambda cfg=cfg: wna16_matmul(x, case.w4, config=cfg)  # noqa: E731
+                    try:
+                        err = rel_err(fn(), ref)
+                        t = bench(graphed(fn), rep=20)
+                    except Exception as e:  # noqa: BLE001 — a config that fails is reported
+                        print(f"  {cfg}: {repr(e)[:200]}", flush=True)
+                        continue
+                    rows.append(dict(shape=name, M=m, ms=t, rel_err=err, **cfg))
+            rows.sort(key=lambda r: r["ms"])
+            results += rows
+            tb = base["bf16"]
+            line = "  ".join(f"{kk}={v * 1e3:.1f}us" for kk, v in base.items())
+            print(f"\n{name} M={m}: {line}  ({time.time() - t_start:.0f}s)", flush=True)
+            for r in rows[: args.top]:
+                print(f"  {r['ms'] * 1e3:6.1f}us  {tb / r['ms']:.2f}x bf16  rel {r['rel_err']:.1e}  "
+                      f"BM={r['BLOCK_M']} BN={r['BLOCK_N']} SK={r['SPLIT_K']} U={r['U']} "
+                      f"w={r['num_warps']} st={r['num_stages']} PF={r['PF']} maxnreg={r['maxnreg']}", flush=True)
+            bad = [r for r in rows if not r["rel_err"] < 1e-2]
+            if bad:
+                print(f"  !! {len(bad)} configs with rel_err >= 1e-2, e.g. {bad[0]}", flush=True)
+            results.append(dict(shape=name, M=m, baseline=base))
+            if args.out:
+                Path(args.out).mkdir(parents=True, exist_ok=True)
+                (Path(args.out) / "wna16_sweep.json").write_text(json.dumps(results, indent=1))
+        del case
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
