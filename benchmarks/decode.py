@@ -206,23 +206,34 @@ def free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, on_rows: Callable[[dict[str, Any]], Any] = lambda res: None) -> dict[str, Any]:
+    """Measure every wanted scheme; `on_rows` gets the result so far after each scheme (the
+    caller saves it, so a run stopped by a time limit keeps what it measured)."""
     from quantlab.runner.load import from_hf_model
 
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = qwen2_config(args)
     rows: list[dict[str, Any]] = []
+
+    def result() -> dict[str, Any]:
+        return {"device": device_name(device), "dtype": str(dtype).removeprefix("torch."),
+                "config": config.to_dict(), "layers": config.num_hidden_layers, "tiny": args.tiny,
+                "args": vars(args), "rows": rows, "bars": bars(rows), "versions": versions(),
+                "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
     wanted = set(args.schemes)
     if wanted & {"hf-bf16", "bf16"}:
         hf = hf_model(config, device, dtype)
         if "hf-bf16" in wanted:
             rows += measure(hf, "hf-bf16", args, device, config.vocab_size, hf=True)
+            on_rows(result())
         if "bf16" in wanted:
             runner = from_hf_model(hf)
             del hf
             free(device)
             rows += measure(runner, "bf16", args, device, config.vocab_size)
+            on_rows(result())
             del runner
         else:
             del hf
@@ -231,12 +242,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if name in wanted:
             model = quantized_runner(config, name, device, dtype)
             rows += measure(model, name, args, device, config.vocab_size)
+            on_rows(result())
             del model
             free(device)
-    return {"device": device_name(device), "dtype": str(dtype).removeprefix("torch."), "config": config.to_dict(),
-            "layers": config.num_hidden_layers, "tiny": args.tiny, "args": vars(args), "rows": rows,
-            "bars": bars(rows), "versions": versions(), "host": platform.node(),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    return result()
 
 
 def device_name(device: torch.device) -> str:
@@ -340,7 +349,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     torch.set_grad_enabled(False)
-    res = run(args)
+    res = run(args, on_rows=lambda partial: save(partial, args.out))
     stem = save(res, args.out)
     print(markdown(res))
     print(f"wrote {stem}.json and {stem}.md")

@@ -197,6 +197,12 @@ def run(args) -> dict:
             if case.tiny is not None:
                 packed, sz = case.tiny
                 variants["tinygemm"] = (lambda: torch.ops.aten._weight_int4pack_mm(x, packed, GROUP, sz), ref4)
+            if m == 1:  # both decode paths, forced (auto keeps the faster: meta.wna16_path)
+                for bits, pw in ((4, case.w4), (8, case.w8)):
+                    ref = variants[f"w{bits}a16"][1]
+                    for impl in ("gemv", "fused"):
+                        variants[f"w{bits}a16_{impl}"] = (
+                            lambda pw=pw, impl=impl: wna16_matmul(x, pw, impl=impl), ref)
             times = {}
             for kind, (fn, ref) in variants.items():
                 rec = {"shape": name, "K": k, "N": n, "M": m, "kind": kind}
@@ -213,7 +219,7 @@ def run(args) -> dict:
                     rec["ms_eager"] = bench(fn)
                     t = bench(graphed(fn))
                     times[kind] = t
-                    base = kind.split("_")[0] if kind.startswith("w4a16") else kind
+                    base = kind.split("_")[0] if kind.startswith(("w4a16", "w8a16")) else kind
                     nbytes = weight_bytes(base, k, n) + act_bytes(base, m, k, n)
                     rec.update(ms=t, GBps=nbytes / t / 1e6, TFLOPs=2 * m * n * k / t / 1e9,
                                bw_frac=nbytes / t / 1e6 / bw)
@@ -237,10 +243,11 @@ def autotune_choices() -> dict:
     from quantlab.kernels import triton_scaled, triton_wna16
 
     out = {}
-    tuners = [(f"wna16_m{b}", t) for b, t in triton_wna16.TUNERS.items()]
+    tuners = [(f"wna16_{label}", t) for label, t in triton_wna16.TUNERS.items()]
     for label, tuner in (*tuners, ("scaled_small", triton_scaled._SMALL),
                          ("scaled_large", triton_scaled._LARGE)):
         out[label] = {str(kk): str(v) for kk, v in getattr(tuner, "cache", {}).items()}
+    out["wna16_path"] = {str(kk): v for kk, v in triton_wna16._PATH_CHOICE.items()}
     return out
 
 

@@ -1,5 +1,9 @@
 """Side-by-side CPU benchmark: quantlab against GPTQModel and llm-compressor on SmolLM2-135M-Instruct.
 
+Two kinds of rows share one table: 4-bit weight-only (RTN, GPTQ, AWQ at a group size), and
+activation / KV-cache quantization (W8A8 with and without SmoothQuant, static FP8 with an FP8
+KV cache, C8), where quantlab runs the `stages` of a shipped recipe (ACT_METHODS).
+
 Every tool calibrates on exactly the same token ids and is scored on exactly the same test
 tokens with quantlab's own perplexity function:
 
@@ -18,6 +22,7 @@ Each row is one child process; the benchmark measures its wall time and peak RSS
     /work/venv/bin/python benchmarks/peers_cpu.py --out benchmarks/results/peers_cpu.json
     ... --only 'float,quantlab:*'     # fnmatch patterns over row ids (tool:method-gG[-asym])
     ... --skip-peers --reuse          # rerun quantlab rows, keep saved peer rows
+    ... --only 'float,*:smoothquant-*,*:fp8-kv'   # activation / KV rows (ids tool:method)
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 PEER_SCRIPTS = REPO / "benchmarks" / "peers"
+RECIPES = REPO / "recipes"
 DATA = REPO.parent / "shared" / "data" / "wikitext-2-raw-v1"
 TRAIN_FILE = DATA / "wiki.train.first1MB.raw"
 TEST_FILE = DATA / "wiki.test.raw"
@@ -62,10 +68,19 @@ class PeerEnv:
     pip_args: tuple[str, ...] = ()
     build_env: tuple[tuple[str, str], ...] = ()
     run_env: tuple[tuple[str, str], ...] = ()
+    # (method, script) for methods `script` does not run; not part of spec(): the venv is the same
+    method_scripts: tuple[tuple[str, str], ...] = ()
 
     def spec(self) -> dict[str, Any]:
         return {"torch": TORCH_PIN, "packages": list(self.packages), "pip_args": list(self.pip_args),
                 "build_env": dict(self.build_env)}
+
+    def script_for(self, method: str) -> str:
+        return dict(self.method_scripts).get(method, self.script)
+
+    def runs(self, method: str) -> bool:
+        """Whether the peer has a row for an activation / KV method (weight methods: all_rows)."""
+        return method in dict(self.method_scripts)
 
 
 PEERS = {
@@ -76,15 +91,36 @@ PEERS = {
         PeerEnv("gptqmodel", ("gptqmodel==7.6.0",), "gptqmodel_run.py", pip_args=("--no-build-isolation",),
                 build_env=(("BUILD_CUDA_EXT", "0"),), run_env=(("GPTQMODEL_CPU_WORKERS", "2"),)),
         # 0.14 pins transformers<=5.17 and compressed-tensors 0.19: it needs its own environment.
-        PeerEnv("llmcompressor", ("llmcompressor==0.14.0.1",), "llmcompressor_run.py"),
+        PeerEnv("llmcompressor", ("llmcompressor==0.14.0.1",), "llmcompressor_run.py",
+                method_scripts=(("smoothquant-w8a8", "llmcompressor_actquant_run.py"),
+                                ("fp8-kv", "llmcompressor_actquant_run.py"))),
     ]
+}
+
+
+@dataclass(frozen=True)
+class ActMethod:
+    """An activation / KV-cache row. quantlab runs the `stages` of a shipped recipe, read at
+    run time, so the benchmark measures exactly what the recipe ships."""
+
+    recipe: str  # recipes/<recipe>.yaml
+    scheme: str  # the table's scheme cell
+
+
+ACT_METHODS = {
+    "smoothquant-w8a8": ActMethod("smollm2_smoothquant_a8w8", "SmoothQuant + W8 per-channel, A8 per-token dynamic"),
+    "a8w8-static": ActMethod("smollm2_a8w8_static", "W8 per-channel, A8 per-tensor static"),
+    "smoothquant-a8w8-static": ActMethod("smollm2_smoothquant_a8w8_static",
+                                         "SmoothQuant + W8 per-channel, A8 per-tensor static"),
+    "fp8-kv": ActMethod("smollm2_fp8_static", "FP8 W and A per-tensor static, FP8 KV per-tensor"),
+    "c8": ActMethod("smollm2_c8", "int8 KV per-head; W and A float"),
 }
 
 
 @dataclass(frozen=True)
 class Row:
     tool: str  # float | quantlab | a PEERS key
-    method: str  # float | rtn | gptq | awq
+    method: str  # float | rtn | gptq | awq | an ACT_METHODS key (no group size)
     group_size: int | None = None
     sym: bool | None = None
 
@@ -92,6 +128,8 @@ class Row:
     def id(self) -> str:
         if self.method == "float":
             return "float"
+        if self.group_size is None:
+            return f"{self.tool}:{self.method}"
         return f"{self.tool}:{self.method}-g{self.group_size}{'' if self.sym else '-asym'}"
 
     @property
@@ -104,7 +142,8 @@ class Row:
 
 
 def all_rows() -> list[Row]:
-    """Float, RTN (quantlab only), then GPTQ and AWQ with every tool at group 64 and 128.
+    """Float, RTN (quantlab only), then GPTQ and AWQ with every tool at group 64 and 128, then
+    each activation / KV method with quantlab and every peer that has a script for it.
 
     128 does not divide SmolLM2's 576 hidden size; the g128 rows record how each tool copes.
     Peer AWQ runs at g64 only (GPTQModel's AWQ is the slowest row by far).
@@ -114,6 +153,7 @@ def all_rows() -> list[Row]:
     rows += [Row("quantlab", "rtn", g, sym) for g in (64, 128) for sym in (False, True)]
     rows += [Row(t, "gptq", g, True) for g in (64, 128) for t in peers]
     rows += [Row(t, "awq", 64, False) for t in peers] + [Row("quantlab", "awq", 128, False)]
+    rows += [Row(t, m) for m in ACT_METHODS for t in peers if t == "quantlab" or PEERS[t].runs(m)]
     return rows
 
 
@@ -359,8 +399,11 @@ class Bench:
 
     def row_hash(self, row: Row, recipe_text: str = "") -> str:
         if row.is_peer:
-            tool = json.dumps(PEERS[row.tool].spec()) + source_hash(PEER_SCRIPTS / "_common.py",
-                                                                     PEER_SCRIPTS / PEERS[row.tool].script)
+            # The row's own script and the peer's main one (a method script imports helpers from it).
+            peer = PEERS[row.tool]
+            scripts = dict.fromkeys([peer.script, peer.script_for(row.method)])
+            tool = json.dumps(peer.spec()) + source_hash(PEER_SCRIPTS / "_common.py",
+                                                         *(PEER_SCRIPTS / s for s in scripts))
         elif row.tool == "quantlab":
             tool = source_hash(*(d for d in (REPO / "quantlab", REPO / "kernels") if d.is_dir())) + recipe_text
         else:
@@ -385,7 +428,7 @@ class Bench:
         if row.is_peer and self.args.skip_peers:
             result.status, result.error = "skipped", "--skip-peers and no saved result for these inputs"
             return result
-        if row.tool == "quantlab" and (missing := quantlab_missing_stage(row.method)):
+        if row.tool == "quantlab" and (missing := quantlab_missing(row)):
             result.status, result.error = "not available", missing
             return result
         shutil.rmtree(folder, ignore_errors=True)
@@ -405,16 +448,18 @@ class Bench:
     def _run_script(self, row: Row, folder: Path, result: Result) -> None:
         if row.is_peer:
             peer = PEERS[row.tool]
-            python, script = ensure_venv(peer, self.args.venvs, self.args.venvs / f"{peer.name}-install.log"), peer.script
+            python = ensure_venv(peer, self.args.venvs, self.args.venvs / f"{peer.name}-install.log")
+            script = peer.script_for(row.method)
             env = child_env({"PYTHONPATH": str(self.pythonpath), **dict(peer.run_env)})
         else:
             python, script, env = Path(sys.executable), "float_run.py", child_env({"PYTHONPATH": str(self.pythonpath)})
         out = folder / "peer_result.json"
         cmd = [str(python), str(PEER_SCRIPTS / script), "--model", str(self.inputs.model_dir),
                "--calib", str(self.inputs.calib), "--eval", str(self.inputs.eval_tokens), "--method", row.method,
-               "--seq-len", str(EVAL_SEQ_LEN), "--damp", str(DAMP), "--no-act-order",
-               "--workdir", str(folder), "--out", str(out)]
-        if row.method != "float":
+               "--seq-len", str(EVAL_SEQ_LEN), "--workdir", str(folder), "--out", str(out)]
+        if row.method not in ACT_METHODS:  # weight-only settings (_common.parse_args)
+            cmd += ["--damp", str(DAMP), "--no-act-order"]
+        if row.method not in ACT_METHODS and row.method != "float":
             cmd += ["--bits", "4", "--group-size", str(row.group_size), "--sym" if row.sym else "--no-sym"]
         if self.args.windows:
             cmd += ["--windows", str(self.args.windows)]
@@ -428,7 +473,7 @@ class Bench:
         result.tool_settings = payload.get("config")
         result.notes += [f"{k}: {v}" for k, v in (("kernel", payload.get("kernel")),
                                                    ("torch threads", payload.get("torch_threads"))) if v]
-        result.notes += payload.get("workarounds", [])
+        result.notes += payload.get("workarounds", []) + payload.get("notes", [])
         seconds = payload.get("seconds", {})
         result.quantize_s, result.eval_s = seconds.get("quantize"), seconds.get("eval")
         if payload.get("status") != "ok":
@@ -452,6 +497,8 @@ class Bench:
         config = json.loads((run / "quantized" / "quant_config.json").read_text())
         ppl = json.loads((run / "reports" / "perplexity_quantized.json").read_text())
         result.quantize_s, result.eval_s = config.get("quantize_seconds"), ppl.get("seconds")
+        if row.method in ACT_METHODS:
+            check_quantlab_fake_quant(config, result)
         if result.status != "failed":
             self._take_perplexity(ppl, result)
 
@@ -495,14 +542,39 @@ def saved_result(row: Row, saved: Path, digest: str) -> Result:
     return result
 
 
-def quantlab_recipe(row: Row, args: argparse.Namespace, run_dir: Path) -> str:
-    """A recipe with the benchmark's settings; baseline off (the float row is measured once)."""
+def check_quantlab_fake_quant(config: dict[str, Any], result: Result) -> None:
+    """An activation / KV row must evaluate with quantized Linear inputs or K/V: quantlab's
+    evaluation applies fake quant to the modules quant_config.json lists."""
+    from quantlab.eval.fake_quant import describe
+
+    linears = len((config.get("activations") or {}).get("modules", []))
+    attns = len((config.get("kv_cache") or {}).get("modules", []))
+    if linears + attns == 0:
+        result.status, result.error = "failed", "quant_config.json lists no activation or KV modules to fake-quantize"
+    else:
+        result.notes.append(f"fake quant at evaluation: {describe(config)} on {linears} Linear inputs, "
+                            f"{attns} attention modules")
+
+
+def quantlab_stages(row: Row) -> list[dict[str, Any]]:
+    """The row's recipe stages: a shipped recipe's as written for an activation / KV method,
+    else one 4-bit weight stage."""
     import yaml
 
+    if row.method in ACT_METHODS:
+        path = RECIPES / f"{ACT_METHODS[row.method].recipe}.yaml"
+        return yaml.safe_load(path.read_text(encoding="utf-8"))["stages"]
     weights = {"bits": 4, "symmetric": bool(row.sym), "group_size": row.group_size}
     stage: dict[str, Any] = {"weights": weights}
     if row.method == "gptq":
         stage.update(damp_percent=DAMP, act_order=False)
+    return [{row.method: stage}]
+
+
+def quantlab_recipe(row: Row, args: argparse.Namespace, run_dir: Path) -> str:
+    """A recipe with the benchmark's settings; baseline off (the float row is measured once)."""
+    import yaml
+
     perplexity: dict[str, Any] = {"dataset": {"source": str(TEST_FILE)}, "seq_len": EVAL_SEQ_LEN, "baseline": False}
     if args.windows:
         perplexity["max_windows"] = args.windows
@@ -511,11 +583,17 @@ def quantlab_recipe(row: Row, args: argparse.Namespace, run_dir: Path) -> str:
         "model": {"id": MODEL_ALIAS},
         "calibration": {"dataset": {"source": str(TRAIN_FILE)}, "num_samples": args.calib_samples,
                         "seq_len": CALIB_SEQ_LEN, "strategy": "random_windows"},
-        "stages": [{row.method: stage}],
+        "stages": quantlab_stages(row),
         "evaluate": {"perplexity": perplexity},
         "output": {"dir": str(run_dir)},
     }
     return yaml.safe_dump(recipe, sort_keys=False)
+
+
+def quantlab_missing(row: Row) -> str | None:
+    """Why quantlab cannot run the row yet (a stage of its recipe is missing), else None."""
+    kinds = [next(iter(stage)) for stage in quantlab_stages(row)]
+    return next((why for kind in kinds if (why := quantlab_missing_stage(kind))), None)
 
 
 def quantlab_missing_stage(method: str) -> str | None:
@@ -536,7 +614,8 @@ def quantlab_missing_stage(method: str) -> str | None:
 
 
 def derive(results: list[Result]) -> None:
-    """Δ vs float, and quantlab's time over the fastest peer's for the same method and group."""
+    """Δ vs float, and quantlab's time over the fastest peer's for the same method and group
+    (activation / KV rows have no group: the method alone pairs them)."""
     base = next((r.perplexity for r in results if r.method == "float" and r.status == "ok"), None)
     for r in results:
         r.delta_vs_float_pct = r.quantize_ratio = r.wall_ratio = None  # a reused row's were for another table
@@ -553,7 +632,7 @@ def derive(results: list[Result]) -> None:
                 setattr(r, ratio, round(getattr(r, attr) / min(times), 2))
 
 
-COLUMNS = ["method", "tool", "group", "perplexity", "Δ vs float", "quantize s", "wall s", "peak RSS MiB",
+COLUMNS = ["method", "tool", "scheme", "perplexity", "Δ vs float", "quantize s", "wall s", "peak RSS MiB",
            "quantize ×peer", "wall ×peer", "status"]
 
 
@@ -561,11 +640,14 @@ def cells(r: Result) -> list[str]:
     def num(v: float | None, fmt: str) -> str:
         return "—" if v is None else format(v, fmt)
 
-    group = "—" if r.group_size is None else f"g{r.group_size} {'sym' if r.sym else 'asym'}"
+    if r.method in ACT_METHODS:
+        scheme = ACT_METHODS[r.method].scheme
+    else:
+        scheme = "—" if r.group_size is None else f"W4 g{r.group_size} {'sym' if r.sym else 'asym'}"
     stale = any("hash differs" in n for n in r.notes)
     status = r.status + (" (reused)" if r.reused else "") + (" (stale)" if stale else "") + (f": {r.error}" if r.error and r.status != "ok" else "")
     delta = "—" if r.delta_vs_float_pct is None else f"{r.delta_vs_float_pct:+.2f}%"
-    return [r.method, r.tool, group, num(r.perplexity, ".3f"), delta, num(r.quantize_s, ".1f"), num(r.wall_s, ".1f"),
+    return [r.method, r.tool, scheme, num(r.perplexity, ".3f"), delta, num(r.quantize_s, ".1f"), num(r.wall_s, ".1f"),
             num(r.peak_rss_mib, ".0f"), num(r.quantize_ratio, ".2f"), num(r.wall_ratio, ".2f"), status]
 
 
@@ -573,7 +655,7 @@ def print_table(results: list[Result], subtitle: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(*COLUMNS, title="quantlab vs peers — SmolLM2-135M-Instruct, W4, CPU", caption=subtitle)
+    table = Table(*COLUMNS, title="quantlab vs peers — SmolLM2-135M-Instruct, CPU", caption=subtitle)
     for r in results:
         table.add_row(*cells(r))
     Console(width=200).print(table)
@@ -581,8 +663,10 @@ def print_table(results: list[Result], subtitle: str) -> None:
 
 def markdown(payload: dict[str, Any], results: list[Result]) -> str:
     m = payload["machine"]
+    recipes = [f"- `{a}`: quantlab `recipes/{ACT_METHODS[a].recipe}.yaml`"
+               for a in dict.fromkeys(r.method for r in results) if a in ACT_METHODS]
     lines = [
-        "# quantlab vs peers on CPU — SmolLM2-135M-Instruct, 4-bit weights", "",
+        "# quantlab vs peers on CPU — SmolLM2-135M-Instruct", "",
         f"- evaluation: {payload['evaluation']['description']}",
         f"- calibration: {payload['calibration']['description']}",
         f"- machine: {m['cpu']} — {m['nproc']} CPUs, {m['mem_gib']} GiB, torch threads {m['torch_threads']}, "
@@ -590,7 +674,9 @@ def markdown(payload: dict[str, Any], results: list[Result]) -> str:
         f"- total benchmark time: {payload['total_seconds']:.0f} s", "",
         "quantize s = the tool's own time around its quantize call; wall s = the whole child process "
         "(load, calibration, quantize, evaluation); ×peer = quantlab's time over the fastest peer's "
-        "for the same method and group size.", "",
+        "for the same method and group size. Activation / KV rows (no group): quantlab runs the `stages` of "
+        "a shipped recipe (below); every tool's scored model quantizes Linear inputs and/or K/V in forward.", "",
+        *([*recipes, ""] if recipes else []),
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "|".join("---" if i < 3 or i == len(COLUMNS) - 1 else "---:" for i in range(len(COLUMNS))) + "|",
     ]
@@ -716,7 +802,9 @@ def main(argv: list[str] | None = None) -> int:
                                        f"from {TRAIN_FILE.name} (same ids for every tool)"},
         "evaluation": {"file": str(TEST_FILE), "seq_len": EVAL_SEQ_LEN, "windows": used,
                        "windows_available": available, "description": subset},
-        "settings": {"bits": 4, "gptq": {"damp": DAMP, "act_order": False}, "lm_head": "float"},
+        "settings": {"bits": 4, "gptq": {"damp": DAMP, "act_order": False}, "lm_head": "float",
+                     "activation_kv_rows": {m: {"quantlab_recipe": f"recipes/{a.recipe}.yaml", "scheme": a.scheme}
+                                            for m, a in ACT_METHODS.items()}},
         "versions": versions,
         "rows": [asdict(r) for r in results],
     }

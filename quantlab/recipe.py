@@ -90,6 +90,7 @@ class GptqStage(WeightStage):
     act_order: bool = Field(default=False, description="quantize columns by descending diag(H) (desc_act)")
     static_groups: bool = Field(default=False, description="group qparams from the original weights; g_idx = i // G")
     true_sequential: bool = Field(default=True, description="quantize q,k,v → o → gate,up → down, re-observing inputs")
+    mse_clip: bool = Field(default=False, description="each group's range by a shrink search minimising |q(w) − w|^2.4")
 
 
 class AwqStage(WeightStage):

@@ -161,18 +161,34 @@ def test_dispatch_falls_back_to_reference_without_triton(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------
-# Triton kernels through the interpreter
+# Triton kernels: through the interpreter on a CPU, compiled where a GPU is present
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 WNA16_CASES = [  # bits, group, M, impl, config (None = the interpreter default), dtype
+    # M = 1: the GEMV (stored-order activations), per-channel or groups of whole blocks
     (4, 128, 1, "auto", None, torch.bfloat16),
-    (4, 32, 1, "auto", dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=1, U=2, PF=False), torch.bfloat16),
     (8, None, 1, "auto", None, torch.float16),
+    (8, 64, 1, "auto", dict(BLOCK_N=64, SPLIT_K=4), torch.bfloat16),
+    (4, None, 3, "gemv", None, torch.float16),  # one grid row per token
+    # tensor cores, default JOIN: whole-iteration operand (int8 under bf16 on a GPU; every
+    # case in the interpreter, where FAST — int4 on a GPU — cannot run)
+    (4, 32, 1, "auto", dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=1, U=2, PF=False), torch.bfloat16),
     (4, 128, 3, "auto", dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=3, U=2, PF=True), torch.bfloat16),
-    (4, 64, 3, "auto", dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=2, U=2, PF=False), torch.float16),
     (4, None, 3, "auto", None, torch.float16),
-    (8, 64, 37, "auto", dict(BLOCK_M=32, BLOCK_N=32, SPLIT_K=1, U=2, PF=True), torch.float16),
     (8, 256, 37, "auto", None, torch.bfloat16),
-    (4, 128, 70, "auto", None, torch.float16),  # M > 64: dequantize + matmul
+    (8, None, 16, "fused", dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=4, U=2, PF=False), torch.bfloat16),
+    # tensor cores, JOIN=False: per K = 16 slice (FAST on a GPU for int4; the interpreter runs
+    # the same slicing with float32 codes)
+    (4, 64, 3, "auto", dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=2, U=2, PF=False, JOIN=False),
+     torch.float16),
+    (4, 128, 1, "fused", dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=2, U=2, PF=True, JOIN=False),
+     torch.bfloat16),
+    (8, None, 5, "fused", dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=1, U=1, JOIN=False), torch.bfloat16),
+    (8, 64, 37, "auto", dict(BLOCK_M=32, BLOCK_N=32, SPLIT_K=1, U=2, PF=True, JOIN=False),
+     torch.float16),
+    # M > 64: dequantize + matmul
+    (4, 128, 70, "auto", None, torch.float16),
     (4, 16, 70, "dequant", None, torch.bfloat16),
     (8, None, 5, "dequant", None, torch.float16),
 ]
@@ -184,39 +200,78 @@ def test_wna16_kernel_matches_reference(bits, group, m, impl, config, dtype):
     from quantlab.kernels.triton_wna16 import wna16_matmul
 
     qw = canonical(72, 300, bits, group, seed=bits + (group or 0))  # N, K: no tile multiples
-    p = layout.pack_wna16(qw, dtype)
-    x = torch.randn(m, 300).to(dtype)
-    out = torch.full((m, 72), float("nan"), dtype=dtype)
+    p = layout.pack_wna16(qw, dtype).to(DEV)
+    x = torch.randn(m, 300).to(dtype).to(DEV)
+    out = torch.full((m, 72), float("nan"), dtype=dtype, device=DEV)
     y = wna16_matmul(x, p, impl=impl, config=config, out=out)
     assert y is out
     assert rel_err(y, reference.wna16_mm(x, p)) < TOL[dtype]
 
 
+if ops.triton_installed():
+    import triton
+    import triton.language as tl
+
+    from quantlab.kernels import triton_wna16
+
+    @triton.jit
+    def _stored_k_probe(out_ptr, BITS: tl.constexpr, N: tl.constexpr):
+        pos = tl.arange(0, N)
+        tl.store(out_ptr + pos, triton_wna16._stored_k(pos, BITS))
+
+
 @needs_triton
-def test_wna16_split_k_counters_are_left_clean():
+@pytest.mark.parametrize("bits", [4, 8])
+def test_stored_k_is_the_layout_order(bits):
+    """The kernels' in-register inverse of the packing (stored position → source k), which
+    the GEMV and JOIN use to gather activations in stored order."""
+    out = torch.empty(256, dtype=torch.int32, device=DEV)
+    _stored_k_probe[(1,)](out, BITS=bits, N=256)
+    assert torch.equal(out.cpu().long(), layout.kernel_k_order(256, bits))
+
+
+@needs_triton
+def test_wna16_gemv_rejects_groups_smaller_than_a_block():
+    from quantlab.kernels.triton_wna16 import gemv_ok, wna16_matmul
+
+    p = layout.pack_wna16(canonical(16, 128, 4, 32), torch.float16).to(DEV)
+    assert not gemv_ok(p)
+    x = torch.randn(1, 128).half().to(DEV)
+    with pytest.raises(ValueError, match="GEMV"):
+        wna16_matmul(x, p, impl="gemv")
+    with pytest.raises(ValueError, match="impl"):
+        wna16_matmul(x, p, impl="nope")
+
+
+@needs_triton
+@pytest.mark.parametrize("impl,cfg", [
+    ("fused", dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=3, U=1, PF=True)),
+    ("gemv", dict(BLOCK_N=32, SPLIT_K=4)),
+])
+def test_wna16_split_k_counters_are_left_clean(impl, cfg):
     """The last split resets its tile counter: a second call (other data, same buffers) must be
     right too, and the counters must be zero afterwards."""
     from quantlab.kernels import triton_wna16 as tw
 
-    cfg = dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=3, U=1, PF=True)
     qw = canonical(40, 384, 4, 128)
-    p = layout.pack_wna16(qw, torch.float16)
+    p = layout.pack_wna16(qw, torch.float16).to(DEV)
     for seed in (0, 1):
-        x = torch.randn(2, 384, generator=torch.Generator().manual_seed(seed)).half()
-        y = tw.wna16_matmul(x, p, config=cfg)
+        x = torch.randn(2, 384, generator=torch.Generator().manual_seed(seed)).half().to(DEV)
+        y = tw.wna16_matmul(x, p, impl=impl, config=cfg)
         assert rel_err(y, reference.wna16_mm(x, p)) < TOL[torch.float16]
     assert not tw._WORKSPACE[(str(x.device), torch.int32)].any()
 
 
 @needs_triton
-def test_wna16_act_order_kernel():
+@pytest.mark.parametrize("m", [1, 2])  # the GEMV and the tensor-core kernel
+def test_wna16_act_order_kernel(m):
     from quantlab.kernels.triton_wna16 import wna16_matmul
 
     qw = act_order(canonical(40, 256, 4, 64))
-    p = layout.pack_wna16(qw, torch.float16)
-    x = torch.randn(2, 256).half()
-    y = wna16_matmul(x, p)
-    assert rel_err(y, x.float() @ qw.dequantize().t()) < 3e-3
+    p = layout.pack_wna16(qw, torch.float16).to(DEV)
+    x = torch.randn(m, 256).half()
+    y = wna16_matmul(x.to(DEV), p)
+    assert rel_err(y.cpu(), x.float() @ qw.dequantize().t()) < 3e-3
 
 
 @needs_triton
@@ -226,9 +281,9 @@ def test_w8a8_kernel_matches_reference(m, symmetric):
     from quantlab.kernels.triton_scaled import w8a8_matmul
 
     qw = canonical(72, 96, 8, None, symmetric)
-    p = layout.pack_w8a8(qw)
-    xq, sx = reference.quantize_act_int8(torch.randn(m, 96))
-    out = torch.full((m, 72), float("nan"), dtype=torch.float16)
+    p = layout.pack_w8a8(qw).to(DEV)
+    xq, sx = reference.quantize_act_int8(torch.randn(m, 96, device=DEV))
+    out = torch.full((m, 72), float("nan"), dtype=torch.float16, device=DEV)
     y = w8a8_matmul(xq, sx, p, torch.float16, out=out)
     assert rel_err(y, reference.w8a8_mm(xq, sx, p, torch.float16)) < TOL[torch.float16]
 
@@ -238,24 +293,24 @@ def test_w8a8_kernel_matches_reference(m, symmetric):
 def test_fp8_kernel_matches_reference(per_row):
     from quantlab.kernels.triton_scaled import fp8_matmul
 
-    p = layout.quantize_fp8_weight(torch.randn(72, 96), per_row)
-    xq, sx = reference.quantize_act_fp8(torch.randn(37, 96), per_row)
-    out = torch.full((37, 72), float("nan"), dtype=torch.bfloat16)
+    p = layout.quantize_fp8_weight(torch.randn(72, 96), per_row).to(DEV)
+    xq, sx = reference.quantize_act_fp8(torch.randn(37, 96, device=DEV), per_row)
+    out = torch.full((37, 72), float("nan"), dtype=torch.bfloat16, device=DEV)
     y = fp8_matmul(xq, sx, p, torch.bfloat16, out=out)
     assert rel_err(y, reference.fp8_mm(xq, sx, p, torch.bfloat16)) < TOL[torch.bfloat16]
 
 
 @needs_triton
 def test_linear_entry_points_use_the_kernels():
-    """ops.* take the Triton path under the interpreter and match the float computation."""
-    assert ops.use_triton(torch.zeros(1)), "interpreter mode should route CPU tensors to Triton"
+    """ops.* take the Triton path (the interpreter on a CPU) and match the float computation."""
+    assert ops.use_triton(torch.zeros(1, device=DEV)), "interpreter mode should route CPU tensors to Triton"
     x = torch.randn(2, 5, 96)
     qw = canonical(48, 96, 4, 32)
-    y = ops.wna16_linear(x.half(), layout.pack_wna16(qw, torch.float16))
+    y = ops.wna16_linear(x.half().to(DEV), layout.pack_wna16(qw, torch.float16).to(DEV))
     assert y.shape == (2, 5, 48)
-    assert rel_err(y, x @ qw.dequantize().t()) < 3e-3
+    assert rel_err(y.cpu(), x @ qw.dequantize().t()) < 3e-3
     w = torch.randn(48, 96)
-    y8 = ops.w8a8_linear(x, layout.quantize_int8_weight(w))
-    assert rel_err(y8, x @ w.t()) < 0.02  # int8 activations and weights
-    yf = ops.fp8_linear(x, layout.quantize_fp8_weight(w))
-    assert rel_err(yf, x @ w.t()) < 0.08  # e4m3
+    y8 = ops.w8a8_linear(x.half().to(DEV), layout.quantize_int8_weight(w).to(DEV))
+    assert rel_err(y8.cpu(), x @ w.t()) < 0.02  # int8 activations and weights
+    yf = ops.fp8_linear(x.half().to(DEV), layout.quantize_fp8_weight(w).to(DEV))
+    assert rel_err(yf.cpu(), x @ w.t()) < 0.08  # e4m3

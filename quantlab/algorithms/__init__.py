@@ -18,7 +18,7 @@ def build_algorithm(entry: StageEntry) -> LayerAlgorithm:
     if entry.kind == "gptq":
         return GPTQ(scheme=config.weights, damp_percent=config.damp_percent, block_size=config.block_size,
                     act_order=config.act_order, static_groups=config.static_groups,
-                    true_sequential=config.true_sequential, ignore=config.ignore)
+                    true_sequential=config.true_sequential, mse_clip=config.mse_clip, ignore=config.ignore)
     if entry.kind == "awq":
         return AWQ(scheme=config.weights, grid=config.grid, duo_scaling=config.duo_scaling, clip=config.clip,
                    clip_grid=config.clip_grid, max_shrink=config.max_shrink, clip_skip=config.clip_skip,

@@ -26,7 +26,7 @@ from quantlab.progress import console
 from quantlab.quant.primitives import (
     QuantizedWeight,
     compute_qparams,
-    group_ranges,
+    mse_qparams,
     num_groups,
     quantize,
     quantize_column,
@@ -113,6 +113,7 @@ def gptq_quantize(
     block_size: int = 128,
     act_order: bool = False,
     static_groups: bool = False,
+    mse_clip: bool = False,
     max_retries: int = MAX_DAMP_RETRIES,
 ) -> GptqResult:
     """Quantize `w [out, in]` against the input Hessian `h [in, in]`.
@@ -122,6 +123,8 @@ def gptq_quantize(
     order, so `g_idx` (reported in the original column order) is not `i // G` then —
     unless `static_groups`, where every group's qparams come from the unmodified weight up
     front and `g_idx` stays `i // G` (cheaper kernels, slightly worse error).
+    `mse_clip` chooses each group's range by a shrink search (`mse_qparams`) instead of its
+    min/max: an outlier then costs its own rounding error, not every other weight's resolution.
     """
     if scheme.type != "int" or scheme.per_tensor:
         raise ValueError(f"gptq encodes integer per-group/per-channel weights, not {scheme.name}")
@@ -137,8 +140,10 @@ def gptq_quantize(
     wt[dead] = 0.0
 
     if static_groups:
-        scales, zeros = compute_qparams(*group_ranges(wt.T, scheme.group_size), bits, sym)
-        st, zt = scales.T.contiguous(), zeros.T.contiguous()
+        st = torch.empty(num_groups(in_f, scheme.group_size), out_f, device=w.device)
+        zt = torch.empty_like(st)
+        for g, start in enumerate(range(0, in_f, size)):
+            st[g], zt[g] = _qparams(wt[start : start + size], bits, sym, mse_clip)
     else:
         st = torch.zeros(num_groups(in_f, scheme.group_size), out_f, device=w.device)
         zt = torch.zeros_like(st)
@@ -152,7 +157,8 @@ def gptq_quantize(
     visit_group = (order if static_groups else torch.arange(in_f, device=w.device)) // size
 
     u, damp, retries = inverse_hessian_cholesky(h, damp_percent, max_retries)
-    sweep = _Sweep(wt, u, st, zt, visit_group.tolist(), size, bits, sym, dynamic=not static_groups)
+    sweep = _Sweep(wt, u, st, zt, visit_group.tolist(), size, bits, sym, dynamic=not static_groups,
+                   mse_clip=mse_clip)
     with _single_threaded(wt.device):
         qt, loss = sweep.run(block_size)
     g_idx = visit_group
@@ -164,6 +170,13 @@ def gptq_quantize(
     codes = quantize(qt.T, scales, zeros, g_idx, bits)  # exact: q is (code − zero) · scale
     qw = QuantizedWeight(codes, scales, zeros.to(torch.uint8), g_idx, scheme)
     return GptqResult(qw, damp, retries, loss)
+
+
+def _qparams(span: torch.Tensor, bits: int, sym: bool, mse_clip: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero per output for `span [columns of one group, out]`."""
+    if mse_clip:
+        return mse_qparams(span, bits, sym)
+    return compute_qparams(span.amin(0), span.amax(0), bits, sym)
 
 
 @contextmanager
@@ -206,6 +219,7 @@ class _Sweep:
     bits: int
     sym: bool
     dynamic: bool
+    mse_clip: bool = False
 
     def run(self, block_size: int) -> tuple[torch.Tensor, float]:
         n = self.wt.shape[0]
@@ -248,7 +262,7 @@ class _Sweep:
         if end > b2:
             beyond = self.wt[b2:end] - self.u[b1:col, b2:end].T @ self.errt[b1:col]
             span = torch.cat([span, beyond])
-        self.st[g], self.zt[g] = compute_qparams(span.amin(0), span.amax(0), self.bits, self.sym)
+        self.st[g], self.zt[g] = _qparams(span, self.bits, self.sym, self.mse_clip)
 
 
 # --------------------------------------------------------------------------- engine adapter
@@ -347,6 +361,7 @@ class GPTQ:
     act_order: bool = False
     static_groups: bool = False
     true_sequential: bool = True
+    mse_clip: bool = False
     ignore: list[str] = field(default_factory=list)
     # per full Linear name: damp, retries, loss, tokens (0: none reached it, RTN fallback)
     stats: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -394,7 +409,7 @@ class GPTQ:
         label = _label(ctx, names)
         try:
             res = gptq_quantize(w, h, self.scheme, damp_percent=self.damp_percent, block_size=self.block_size,
-                                act_order=self.act_order, static_groups=self.static_groups)
+                                act_order=self.act_order, static_groups=self.static_groups, mse_clip=self.mse_clip)
         except HessianError as exc:
             raise HessianError(f"gptq: {label}: {exc}") from None
         if res.retries:

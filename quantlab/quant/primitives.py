@@ -76,6 +76,28 @@ def compute_qparams(
     return scale.float(), zero.float()
 
 
+def mse_qparams(
+    w: torch.Tensor, bits: int, symmetric: bool, grid: int = 100, max_shrink: float = 0.8, norm: float = 2.4
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """qparams per column of `w [k, n]` (k values share one scale) whose range is shrunk by the
+    ratio `1 − i/grid` (i ≤ max_shrink·grid) that minimises Σ|fake-quant(w) − w|^norm: the
+    clipping search of the GPTQ reference quantizer (`mse`). Ratio 1 (plain min/max) is a
+    candidate, so the error never exceeds the unclipped one."""
+    w = w.float()
+    wmin, wmax = w.amin(dim=0), w.amax(dim=0)
+    best_scale, best_zero = compute_qparams(wmin, wmax, bits, symmetric)
+    best_err = (quantize_column(w, best_scale, best_zero, bits) - w).abs_().pow_(norm).sum(dim=0)
+    for i in range(1, int(max_shrink * grid) + 1):
+        ratio = 1 - i / grid
+        scale, zero = compute_qparams(wmin * ratio, wmax * ratio, bits, symmetric)
+        err = (quantize_column(w, scale, zero, bits) - w).abs_().pow_(norm).sum(dim=0)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_scale = torch.where(better, scale, best_scale)
+        best_zero = torch.where(better, zero, best_zero)
+    return best_scale, best_zero
+
+
 def group_ranges(w: torch.Tensor, group_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-(row, group) min and max, each `[out, n_groups]`."""
     g = grouped(w.float(), group_size)
