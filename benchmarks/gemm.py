@@ -197,7 +197,7 @@ def run(args) -> dict:
             if case.tiny is not None:
                 packed, sz = case.tiny
                 variants["tinygemm"] = (lambda: torch.ops.aten._weight_int4pack_mm(x, packed, GROUP, sz), ref4)
-            if m == 1:  # both decode paths, forced (auto keeps the faster: meta.wna16_path)
+            if m == 1:  # both decode paths, forced (auto takes the GEMV)
                 for bits, pw in ((4, case.w4), (8, case.w8)):
                     ref = variants[f"w{bits}a16"][1]
                     for impl in ("gemv", "fused"):
@@ -247,7 +247,6 @@ def autotune_choices() -> dict:
     for label, tuner in (*tuners, ("scaled_small", triton_scaled._SMALL),
                          ("scaled_large", triton_scaled._LARGE)):
         out[label] = {str(kk): str(v) for kk, v in getattr(tuner, "cache", {}).items()}
-    out["wna16_path"] = {str(kk): v for kk, v in triton_wna16._PATH_CHOICE.items()}
     return out
 
 

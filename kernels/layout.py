@@ -17,6 +17,9 @@ the loaded words, with no shuffle of the dequantized values:
   pair `128 + q` that the MMA's A-operand fragment wants for row n, k pair (2j, 2j+1) of a
   K = 16 slice d: one LOP3 (+ one shift) per two codes, the zero point one packed
   subtract. The K = 16 slice d reads the contiguous activations `x[16d : 16d + 16]`.
+  Kernels that take whole blocks in another order (the M = 1 GEMV reads the codes slot by
+  slot and gathers the activations in that stored order; the int8 tensor-core path permutes
+  its joined float operand back to k order) need no second format.
 * `scales` and `zeros` are `[groups, N]` floats in the activation dtype by default (integer
   zero points are exact in bf16/fp16); dequant is `w = (q − z)·s`. The MMA runs on the exact
   `q − z` and the scale multiplies each group's partial product once per output.

@@ -1,21 +1,43 @@
 """Triton kernels for weight-only int4/int8 GEMM (W4A16, W8A16) on the packed layout of
-kernels/layout.py. Imported lazily: needs triton.
+kernels/layout.py (one format per bit width: K permuted within blocks of 8 words,
+`layout.kernel_k_order`). Imported lazily: needs triton.
 
-**M ≤ 64 (decode, small batches): `_wna16_kernel`.** It computes Yᵀ = W·Xᵀ: the weights are
-the MMA's A operand, taken from registers, and the token count is the MMA's narrow side (padded
-to 16). Per block of 8 word rows (64 k for int4) and per K = 16 slice d:
+`wna16_matmul` picks one of three paths by the token count M:
 
-* the `[BLOCK_N, 8]` word tile becomes the A fragment with one LOP3 (and a shift) per two
-  codes: `(w >> d·bits) & 0x000F000F | magic` is the half-precision pair `128 + q` (bf16) or
+**M = 1: `_gemv_kernel`, CUDA-core FMAs** (per-channel scales or groups of whole blocks).
+Each thread owns 4 columns × the 8 words of a block, so the K reduction stays in registers.
+The next block's words, activations, scales and zeros are loaded before the current block is
+used (Triton software-pipelines only loads that feed dots; without this prefetch each block
+waits on its activation and scale loads: +10–20% time at int4 g128 on an H200). Codes are
+taken in *stored* order (`_codes_minus_zero`: one LOP3 and one FMA per code, exact float32
+`q − z`), and the activations are gathered in that same order (`_stored_k`, a few index
+operations once per program) — a GEMV needs no particular K order.
+
+**2 ≤ M ≤ 64 (and M = 1 with smaller groups): `_wna16_kernel`, tensor cores.** It computes
+Yᵀ = W·Xᵀ: the weights are the MMA's A operand, taken from registers, and the token count is
+the MMA's narrow side (padded to 16). Two ways to build the operand:
+
+* FAST (int4, or int8 under fp16), per block of 8 words and K = 16 slice d: the `[BLOCK_N, 8]`
+  word tile becomes the A fragment with one LOP3 (and a shift) per two codes:
+  `(w >> d·bits) & 0x000F000F | magic` is the half-precision pair `128 + q` (bf16) or
   `1024 + q` (fp16), already in the register order of the fragment (layout.kernel_k_order),
-  and one packed add of `−(magic + z)` makes it the exact `q − z` (FAST). Triton sees that
-  the join/reshape into `[BLOCK_N, 16]` only renames registers, so the one layout conversion
-  left moves the packed words (0.5 byte per weight), not the dequantized operand. Without
-  FAST (the CPU interpreter, 8-bit codes under bf16, groups smaller than a block) each code
-  goes through float32 instead (`_codes_f32`);
-* the MMA reads the contiguous activations `x[16d : 16d + 16]`;
-* the scale multiplies each group's partial product once per output (group ≥ block), or each
-  weight before the MMA (smaller groups), or the result once (per-channel).
+  and one packed add of `−(magic + z)` makes it the exact `q − z`. Triton sees that the
+  join/reshape into `[BLOCK_N, 16]` only renames registers, so the one layout conversion left
+  moves the packed words (0.5 byte per weight), not the dequantized operand. The MMA reads the
+  contiguous activations `x[16d : 16d + 16]`.
+* JOIN (int8 under bf16 — 128 + q does not fit bf16's 8 bits — and the CPU interpreter): the
+  iteration's `[BLOCK_N, 8·U]` words become the whole `[BLOCK_N, U·BK]` operand at once
+  (float32 `q − z` per code, one LOP3 and one FMA, joined along new register axes and
+  permuted into k order, `_block_operand`), and one dot takes the contiguous activations.
+* Groups smaller than a block scale each weight before the MMA (per K = 16 slice).
+
+The scale multiplies each group's partial product once per output (groups of whole
+iterations), or the result once (per-channel).
+
+**M > 64 (prefill): `_dequant_kernel` + cuBLAS.** Once the MMA work per weight is large,
+dequantizing the whole weight to the activation dtype (one pass, the same operand code) and
+running a bf16/fp16 GEMM beats re-dequantizing every weight in every M tile (vLLM does the
+same for AWQ at ≥ 256 tokens).
 
 Split-K (SPLIT_K programs along K per output tile) writes float32 partials into a workspace;
 a counter per tile elects the last program, which sums the partials in split order
@@ -23,22 +45,16 @@ a counter per tile elects the last program, which sums the partials in split ord
 CUDA-graph replays stay correct. One workspace per device: calls on different streams must
 not overlap.
 
-**M > 64 (prefill): `_dequant_kernel` + cuBLAS.** Once the MMA work per weight is large,
-dequantizing the whole weight to the activation dtype (one pass, the same `_operand` code)
-and running a bf16/fp16 GEMM beats re-dequantizing every weight in every M tile (vLLM does
-the same for AWQ at ≥ 256 tokens).
-
-Measured on an H200 (benchmarks/results/gemm_nvidia_h200.md, CUDA graphs, L2 flushed): on the
-Qwen2-7B MLP shapes W4A16 runs at 1.6–1.8× bf16 cuBLAS at M = 1 (level with torch's
-tinygemm) and 1.5–1.6× at M = 16 (tinygemm: 0.5–0.6×), and at 0.73–0.97× of bf16 at
-M = 64; prefill sizes are within 5–15% of bf16. The decode kernel reaches only ~30% of the
-copy bandwidth: per program it is latency-bound (Nsight Compute: ~10 cycles between issues
-per warp, mostly waiting on global loads; occupancy 25% from ~100–120 registers), and the
-issue cost is ~3 instructions per weight, of which the dequantization is ~1.4.
+Measured on an H200 (benchmarks/results/gemm_nvidia_h200.md, CUDA graphs, L2 flushed), on
+the Qwen2-7B / Llama-3-8B MLP shapes: W4A16 g128 at M = 1 1.9–2.1× bf16 cuBLAS (faster than
+torch's tinygemm), at M = 16 1.5–1.65×; W8A16 at M = 1 1.5–1.6×, at M = 16 1.2–1.3×. The
+decode kernels are latency-bound per program (Nsight Compute on the tensor-core kernel at
+M = 1: ~10 cycles between a warp's issues, mostly waiting on global loads; occupancy 25%).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -48,6 +64,10 @@ import triton.language as tl
 from quantlab.kernels.layout import BLOCK_K, PackedWNA16
 
 MAGIC32 = 0x4B000000  # float32 bits of 2^23
+
+
+# ---------------------------------------------------------------------------------------------
+# Dequantization
 
 
 @triton.jit
@@ -91,11 +111,66 @@ def _zero_operand(z, DT: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _codes_f32(w, z, magic32, SH: tl.constexpr, BITS: tl.constexpr):
-    """Code at bits [SH, SH + BITS) of every word as the exact float32 `q − z`:
-    `q | 0x4B000000` read as float32 is `2^23 + q`."""
-    v = (((w >> SH) & ((1 << BITS) - 1)) | magic32).to(tl.float32, bitcast=True)
-    return v - (z + 8388608.0)
+def _high(w):
+    """The upper 16 bits of every word (logical shift)."""
+    return (w.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _codes_minus_zero(w, zero, magic, I: tl.constexpr, BITS: tl.constexpr):
+    """Code in slot I (bits [BITS·I, BITS·(I+1))) of every word as exact float32 `q − z`.
+
+    `(w & mask) | 0x4B000000` read as float is `2^23 + q·2^sh`; one FMA with `2^−sh` and
+    `−(2^(23−sh) + z)` gives `q − z` exactly, with no int→float conversion. Slots past bit 16
+    expect the caller to pass `_high(w)`. `magic` (0x4B000000) comes in as a run-time
+    argument: as an immediate, ptxas splits the and/or into two LOP3s. `zero` broadcasts."""
+    PER_HALF: tl.constexpr = 16 // BITS
+    SH: tl.constexpr = (I % PER_HALF) * BITS
+    MASK: tl.constexpr = ((1 << BITS) - 1) << SH
+    v = ((w & MASK) | magic).to(tl.float32, bitcast=True)
+    return v * (1.0 / (1 << SH)) - (zero + 8388608.0 / (1 << SH))
+
+
+@triton.jit
+def _stored_k(pos, BITS: tl.constexpr):
+    """Source k of stored code positions `pos` (layout.kernel_k_order): position
+    `BK·b + P·j + (P/2)·h + d` holds k = `BK·b + 16·d + 2·j + h`."""
+    P: tl.constexpr = 32 // BITS
+    BK: tl.constexpr = 8 * P
+    within = pos % BK
+    s = within % P
+    return pos - within + 16 * (s % (P // 2)) + 2 * (within // P) + s // (P // 2)
+
+
+@triton.jit
+def _block_operand(w, zero, magic, BITS: tl.constexpr, DT: tl.constexpr):
+    """Word tile `[BN, 8·UB]` (UB whole blocks) → exact `q − z` in DT `[BN, UB·BK]`, in
+    natural k order: float32 codes per slot, joined along new register axes into
+    `[BN, b, j, h, d]` and permuted to `[BN, b, d, j, h]` (k = BK·b + 16·d + 2·j + h). Triton
+    folds the permute into the operand's one trip through shared memory, and the activations
+    load contiguously."""
+    BN: tl.constexpr = w.shape[0]
+    UB: tl.constexpr = w.shape[1] // 8
+    wh = _high(w)
+    if BITS == 4:  # slot s = 4·h + d
+        s0 = tl.join(_codes_minus_zero(w, zero, magic, 0, 4).to(DT),
+                     _codes_minus_zero(wh, zero, magic, 4, 4).to(DT))
+        s1 = tl.join(_codes_minus_zero(w, zero, magic, 1, 4).to(DT),
+                     _codes_minus_zero(wh, zero, magic, 5, 4).to(DT))
+        s2 = tl.join(_codes_minus_zero(w, zero, magic, 2, 4).to(DT),
+                     _codes_minus_zero(wh, zero, magic, 6, 4).to(DT))
+        s3 = tl.join(_codes_minus_zero(w, zero, magic, 3, 4).to(DT),
+                     _codes_minus_zero(wh, zero, magic, 7, 4).to(DT))
+        t = tl.join(tl.join(s0, s2), tl.join(s1, s3))  # [BN, word, h, d1, d0], d = 2·d1 + d0
+        t = tl.permute(tl.reshape(t, (BN, UB, 8, 2, 2, 2)), (0, 1, 4, 5, 2, 3))
+    else:  # slot s = 2·h + d
+        s0 = tl.join(_codes_minus_zero(w, zero, magic, 0, 8).to(DT),
+                     _codes_minus_zero(wh, zero, magic, 2, 8).to(DT))
+        s1 = tl.join(_codes_minus_zero(w, zero, magic, 1, 8).to(DT),
+                     _codes_minus_zero(wh, zero, magic, 3, 8).to(DT))
+        t = tl.join(s0, s1)  # [BN, word, h, d]
+        t = tl.permute(tl.reshape(t, (BN, UB, 8, 2, 2)), (0, 1, 4, 2, 3))
+    return tl.reshape(t, (BN, UB * (256 // BITS)))
 
 
 @triton.jit
@@ -107,15 +182,14 @@ def _operand(w, d: tl.constexpr, zo, s, magic32,
     every other op between the word load and the MMA is elementwise with constant or
     per-column operands, so Triton leaves one layout conversion, on the packed words.
     `zo`: `_zero_operand`."""
-    SH: tl.constexpr = d * BITS
     if FAST:
-        t = w >> SH
+        t = w >> (d * BITS)
         pairs = tl.reshape(tl.join(t.to(tl.int16), (t >> 16).to(tl.int16)),
                            (w.shape[0], 2 * w.shape[1]))
         out = _dequant_pairs(pairs, zo, BITS, DT == tl.float16)
     else:
-        lo = _codes_f32(w, zo, magic32, SH, BITS)
-        hi = _codes_f32(w, zo, magic32, SH + 16, BITS)
+        lo = _codes_minus_zero(w, zo, magic32, d, BITS)
+        hi = _codes_minus_zero(_high(w), zo, magic32, d, BITS)
         if SCALE_IN:
             lo = lo * s
             hi = hi * s
@@ -123,9 +197,16 @@ def _operand(w, d: tl.constexpr, zo, s, magic32,
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# Shared pieces of the kernels
+
+
 @triton.jit
-def _finish(acc, y_ptrs, ws_ptrs, MN, mask, cnt_ptr, tile, pid_k, split_k, OUT: tl.constexpr):
-    """Store a tile, or its split-K partial; the last split to arrive sums them in order."""
+def _finish(acc, y_ptrs, ws_ptrs, MN, mask, cnt_ptr, tile, pid_k, split_k, OUT: tl.constexpr,
+            ONE_LOAD: tl.constexpr = False):
+    """Store a tile, or its split-K partial; the last split to arrive sums them in order.
+    ONE_LOAD (1-D tiles, split_k a power-of-2 constexpr): the last split reads every partial
+    in one load instead of one dependent load per split."""
     if split_k == 1:
         tl.store(y_ptrs, acc.to(OUT), mask=mask)
     else:
@@ -133,9 +214,14 @@ def _finish(acc, y_ptrs, ws_ptrs, MN, mask, cnt_ptr, tile, pid_k, split_k, OUT: 
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
         if arrived == split_k - 1:
-            total = tl.zeros_like(acc)
-            for i in range(split_k):
-                total += tl.load(ws_ptrs + i * MN, mask=mask, other=0.0, cache_modifier=".cg")
+            if ONE_LOAD:
+                parts = tl.load(ws_ptrs[None, :] + tl.arange(0, split_k)[:, None] * MN,
+                                mask=mask[None, :], other=0.0, cache_modifier=".cg")
+                total = tl.sum(parts, axis=0)
+            else:
+                total = tl.zeros_like(acc)
+                for i in range(split_k):
+                    total += tl.load(ws_ptrs + i * MN, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(y_ptrs, total.to(OUT), mask=mask)
             tl.store(cnt_ptr + tile, 0)
 
@@ -182,22 +268,140 @@ def _slice_operand(w, d: tl.constexpr, zo, s, s_ptr, z_ptr, k0, offs_j, offs_n, 
     return a
 
 
+# ---------------------------------------------------------------------------------------------
+# M = 1: CUDA-core GEMV
+
+
+@triton.jit
+def _fma_code(acc, w, z, xs, magic, I: tl.constexpr, BITS: tl.constexpr):
+    return acc + tl.sum(_codes_minus_zero(w, z, magic, I, BITS) * xs[None, :], axis=1)
+
+
+@triton.jit
+def _fma_codes(w, z, xv, magic, BITS: tl.constexpr):
+    """Σ (q − z)·x over one block `w [BN, 8]`, slot by slot: `xv [8·P]` (stored order, slot s
+    of word j at P·j + s) is split into the P per-slot vectors by register-only reshapes."""
+    wh = _high(w)
+    acc = tl.zeros([w.shape[0]], dtype=tl.float32)
+    if BITS == 4:
+        even, odd = tl.split(tl.reshape(xv, (8, 2, 2, 2)))  # [j, b2, b1, b0] → b0
+        e0, e1 = tl.split(even)
+        o0, o1 = tl.split(odd)
+        x0, x4 = tl.split(e0)
+        x2, x6 = tl.split(e1)
+        x1, x5 = tl.split(o0)
+        x3, x7 = tl.split(o1)
+        acc = _fma_code(acc, w, z, x0, magic, 0, 4)
+        acc = _fma_code(acc, w, z, x1, magic, 1, 4)
+        acc = _fma_code(acc, w, z, x2, magic, 2, 4)
+        acc = _fma_code(acc, w, z, x3, magic, 3, 4)
+        acc = _fma_code(acc, wh, z, x4, magic, 4, 4)
+        acc = _fma_code(acc, wh, z, x5, magic, 5, 4)
+        acc = _fma_code(acc, wh, z, x6, magic, 6, 4)
+        acc = _fma_code(acc, wh, z, x7, magic, 7, 4)
+    else:
+        even, odd = tl.split(tl.reshape(xv, (8, 2, 2)))  # [j, b1, b0] → b0
+        x0, x2 = tl.split(even)
+        x1, x3 = tl.split(odd)
+        acc = _fma_code(acc, w, z, x0, magic, 0, 8)
+        acc = _fma_code(acc, w, z, x1, magic, 1, 8)
+        acc = _fma_code(acc, wh, z, x2, magic, 2, 8)
+        acc = _fma_code(acc, wh, z, x3, magic, 3, 8)
+    return acc
+
+
+@triton.jit
+def _gemv_inputs(x_row, s_ptr, z_ptr, b, b1, k_in, s, z, offs_n, n_mask, N, K, NG,
+                 BITS: tl.constexpr, GROUP: tl.constexpr):
+    """Block b's activations (stored order, float32; zeros past K or when b ≥ b1) and, with
+    groups, its scales and zeros (K-pad blocks: any finite scale, x is 0 there)."""
+    BK: tl.constexpr = 256 // BITS
+    kk = b * BK + k_in
+    # A limit of 0 masks a block past the split (scalar & tensor masks upset the interpreter).
+    xv = tl.load(x_row + kk, mask=kk < tl.where(b < b1, K, 0), other=0.0).to(tl.float32)
+    if GROUP > 0:
+        g = tl.minimum(b * BK // GROUP, NG - 1)
+        s = _col_params(s_ptr, g, offs_n, n_mask, N)
+        z = _col_params(z_ptr, g, offs_n, n_mask, N)
+    return xv, s, z
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
+                 M, N, K, NBLK, NG, stride_xm, stride_ym, magic32,
+                 BITS: tl.constexpr, GROUP: tl.constexpr,
+                 BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, PF: tl.constexpr = True):
+    """See the module docstring; one token row per grid row (program_id 2). A `[BLOCK_N, 8]`
+    block with BLOCK_N = 128·num_warps gives each thread all 8 words of its 4 columns. GROUP:
+    0 (per-channel) or a multiple of the block (one group per block). The next block's words
+    are loaded before the current one is used; with PF its activations, scales and zeros too
+    (each iteration would otherwise wait on those loads)."""
+    BK: tl.constexpr = 256 // BITS
+    OUT: tl.constexpr = y_ptr.dtype.element_ty
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_j = tl.arange(0, 8)
+    k_in = _stored_k(tl.arange(0, BK), BITS)  # source k of a block's stored positions
+    per = tl.cdiv(NBLK, SPLIT_K)
+    b0 = pid_k * per
+    b1 = tl.minimum(b0 + per, NBLK)
+    x_row = x_ptr + m * stride_xm
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    s = _col_params(s_ptr, 0, offs_n, n_mask, N)
+    z = _col_params(z_ptr, 0, offs_n, n_mask, N)
+    w_ptrs = qw_ptr + (b0 * 8 + offs_j)[None, :] * N + offs_n[:, None]
+    w_next = tl.load(w_ptrs, mask=(offs_n < tl.where(b0 < b1, N, 0))[:, None], other=0)
+    if PF:
+        x_next, s_next, z_next = _gemv_inputs(x_row, s_ptr, z_ptr, b0, b1, k_in, s, z, offs_n,
+                                              n_mask, N, K, NG, BITS, GROUP)
+    for b in range(b0, b1):
+        w = w_next
+        w_ptrs += 8 * N
+        w_next = tl.load(w_ptrs, mask=(offs_n < tl.where(b + 1 < b1, N, 0))[:, None], other=0)
+        if PF:
+            xv, s, z = x_next, s_next, z_next
+            x_next, s_next, z_next = _gemv_inputs(x_row, s_ptr, z_ptr, b + 1, b1, k_in, s, z,
+                                                  offs_n, n_mask, N, K, NG, BITS, GROUP)
+        else:
+            xv, s, z = _gemv_inputs(x_row, s_ptr, z_ptr, b, b1, k_in, s, z, offs_n, n_mask, N,
+                                    K, NG, BITS, GROUP)
+        part = _fma_codes(w, z, xv, magic32, BITS)
+        if GROUP > 0:
+            acc += part * tl.reshape(s, (BLOCK_N,))
+        else:
+            acc += part
+    if GROUP == 0:
+        acc = acc * tl.reshape(s, (BLOCK_N,))
+    _finish(acc, y_ptr + m * stride_ym + offs_n, ws_ptr + m * N + offs_n, M * N, n_mask, cnt_ptr,
+            m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K, OUT, True)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2 ≤ M ≤ 64: tensor cores
+
+
 @triton.jit
 def _wna16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
                   M, N, K, NBLK, NG, stride_xm, stride_ym, magic32, MB, SPLIT_K,
                   BITS: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
                   FAST: tl.constexpr, UPCAST: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, U: tl.constexpr,
-                  PF: tl.constexpr = True):
+                  PF: tl.constexpr = True, JOIN: tl.constexpr = False):
     """See the module docstring. NBLK: blocks of 8 word rows (BK = 8·32/bits k each); U blocks
     per loop iteration (fewer when a group is smaller than U blocks). With groups of whole
     blocks (GMODE 1) an iteration lies in one group: its partial product is scaled once, and
-    with PF the next group's scales and zeros are loaded an iteration ahead. MB (the M
-    bucket) is only the autotuning key."""
+    with PF the next group's scales and zeros are loaded an iteration ahead. JOIN builds each
+    iteration's operand at once (not with FAST; groups smaller than a block ignore it). MB
+    (the M bucket) is only the autotuning key."""
     BK: tl.constexpr = 256 // BITS  # 64 k per block for int4, 32 for int8
     D: tl.constexpr = 16 // BITS  # K = 16 slices per block
     GMODE: tl.constexpr = 0 if GROUP == 0 else (1 if GROUP % BK == 0 else 2)
     UU: tl.constexpr = U if GMODE != 1 or GROUP % (U * BK) == 0 else 1
+    WHOLE: tl.constexpr = JOIN and GMODE != 2
+    tl.static_assert(not (JOIN and FAST), "JOIN takes float32 codes, not the FAST pairs")
     DT: tl.constexpr = x_ptr.dtype.element_ty
     OUT: tl.constexpr = y_ptr.dtype.element_ty
     pid_n = tl.program_id(0)
@@ -221,6 +425,9 @@ def _wna16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
     zo = _zero_operand(z_next, DT, FAST)
     w_base = qw_ptr + offs_j[None, :] * N + offs_n[:, None]
     x_base = x_ptr + rows[None, :] * stride_xm + offs_16[:, None]
+    if WHOLE:
+        w_base = qw_ptr + tl.arange(0, 8 * UU)[None, :] * N + offs_n[:, None]
+        x_base = x_ptr + rows[None, :] * stride_xm + tl.arange(0, UU * BK)[:, None]
     for it in range(i0, i1):
         k_it = it * UU * BK
         if GMODE == 1:
@@ -240,18 +447,28 @@ def _wna16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
             part = tl.zeros_like(acc)
         else:
             part = acc
-        for u in tl.static_range(UU):
-            k0 = k_it + u * BK
-            w = tl.load(w_base + (k0 // BK) * 8 * N, mask=n_mask[:, None], other=0)  # [BN, 8]
-            for d in tl.static_range(D):
-                a = _slice_operand(w, d, zo, s, s_ptr, z_ptr, k0, offs_j, offs_n, n_mask, N,
-                                   NG, magic32, BITS, GROUP, GMODE, DT, FAST)
-                kk = k0 + 16 * d
-                if EVEN_K:
-                    xt = tl.load(x_base + kk)
-                else:
-                    xt = tl.load(x_base + kk, mask=(kk + offs_16 < K)[:, None], other=0.0)
-                part = _dot(a, xt, part, UPCAST)
+        if WHOLE:
+            w = tl.load(w_base + (k_it // BK) * 8 * N, mask=n_mask[:, None], other=0)
+            a = _block_operand(w, zo, magic32, BITS, DT)  # [BN, UU·BK]
+            if EVEN_K:
+                xt = tl.load(x_base + k_it)
+            else:
+                xt = tl.load(x_base + k_it, mask=(k_it + tl.arange(0, UU * BK) < K)[:, None],
+                             other=0.0)
+            part = _dot(a, xt, part, UPCAST)
+        else:
+            for u in tl.static_range(UU):
+                k0 = k_it + u * BK
+                w = tl.load(w_base + (k0 // BK) * 8 * N, mask=n_mask[:, None], other=0)  # [BN, 8]
+                for d in tl.static_range(D):
+                    a = _slice_operand(w, d, zo, s, s_ptr, z_ptr, k0, offs_j, offs_n, n_mask, N,
+                                       NG, magic32, BITS, GROUP, GMODE, DT, FAST)
+                    kk = k0 + 16 * d
+                    if EVEN_K:
+                        xt = tl.load(x_base + kk)
+                    else:
+                        xt = tl.load(x_base + kk, mask=(kk + offs_16 < K)[:, None], other=0.0)
+                    part = _dot(a, xt, part, UPCAST)
         if GMODE == 1:
             acc += part * s
         else:
@@ -262,6 +479,10 @@ def _wna16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
     _finish(acc, y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None],
             ws_ptr + offs_m[None, :] * N + offs_n[:, None], M * N, mask, cnt_ptr,
             pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K, OUT)
+
+
+# ---------------------------------------------------------------------------------------------
+# M > 64: dequantize, then cuBLAS
 
 
 @triton.jit
@@ -316,9 +537,9 @@ def _cfg(bm: int, bn: int, sk: int, warps: int, stages: int, u: int = 2, pf: boo
                          num_stages=stages, maxnreg=maxnreg)
 
 
-# Per M bucket, from benchmarks/wna16_sweep.py on an H200: decode (BLOCK_M = 16, split-K so
-# that about one wave of programs fills the GPU) and small batches. Split-K is a run-time
-# argument, so it costs no compiles.
+# Tensor-core kernel, per M bucket, from benchmarks/wna16_sweep.py on an H200: decode
+# (BLOCK_M = 16, split-K so that about one wave of programs fills the GPU) and small batches.
+# Split-K is a run-time argument, so it costs no compiles.
 CONFIGS = {
     16: [_cfg(16, 128, sk, 4, 2, pf=pf, maxnreg=r) for sk in (1, 2, 4, 8, 16)
          for pf in (True, False) for r in (None, 96)]
@@ -329,39 +550,62 @@ CONFIGS = {
     + [_cfg(64, 64, sk, 4, 3, pf=False) for sk in (1, 2, 4, 8)]
     + [_cfg(64, 256, sk, 8, 2, pf=False) for sk in (1, 2, 4)],
 }
+# JOIN (int8 under bf16): the configs that won for the previous tile-joining int8 kernel
+# (64 columns, 16 words per iteration, 3–4 stages).
+JOIN_CONFIGS = {
+    16: [_cfg(16, 64, sk, 4, st, pf=False) for sk in (1, 2, 4, 8, 16) for st in (3, 4)]
+    + [_cfg(16, 128, sk, 4, 3, pf=False) for sk in (2, 4, 8)],
+    64: [_cfg(bm, 64, sk, 4, 3, pf=False) for bm in (32, 64) for sk in (1, 2, 4, 8)],
+}
+# GEMV: 128 columns per warp (one warp per program won every shape), split-K over blocks.
+GEMV_CONFIGS = [triton.Config(dict(BLOCK_N=128, SPLIT_K=sk, PF=pf), num_warps=1, num_stages=1,
+                              maxnreg=r)
+                for sk in (4, 8, 16, 32) for r in (None, 128) for pf in (True, False)]
 DECODE_MAX_M = 64  # above: dequantize + cuBLAS
 DEQUANT_BLOCK_N = 128
 
 
-def _prune(configs, named_args, **_):
-    """Keep configs whose grid gives 1–16 programs per SM and ≥ 1 iteration per split."""
+def _prune(configs, named_args, lo: int = 1, hi: int = 16, min_iters: int = 1, **_):
+    """Keep configs whose grid gives lo–hi programs per SM and ≥ min_iters loop iterations per
+    split (else the grid nearest that window)."""
     n, nblk, m = named_args["N"], named_args["NBLK"], named_args["M"]
     sms = _num_sms(named_args["y_ptr"].device)
     scored = []
     for c in configs:
         kw = c.kwargs
-        if kw["SPLIT_K"] > 1 and nblk // kw["U"] < kw["SPLIT_K"]:
+        if kw["SPLIT_K"] > 1 and nblk // kw.get("U", 1) < min_iters * kw["SPLIT_K"]:
             continue
-        progs = triton.cdiv(n, kw["BLOCK_N"]) * triton.cdiv(m, kw["BLOCK_M"]) * kw["SPLIT_K"]
+        progs = triton.cdiv(n, kw["BLOCK_N"]) * triton.cdiv(m, kw.get("BLOCK_M", 1)) * kw["SPLIT_K"]
         scored.append((progs, c))
-    keep = [c for p, c in scored if sms <= p <= 16 * sms]
+    keep = [c for p, c in scored if lo * sms <= p <= hi * sms]
     if keep:
         return keep
     if not scored:
         return [min(configs, key=lambda c: c.kwargs["SPLIT_K"])]
-    best = max(p for p, _ in scored) if all(p < sms for p, _ in scored) else \
+    best = max(p for p, _ in scored) if all(p < lo * sms for p, _ in scored) else \
         min(p for p, _ in scored)
     return [c for p, c in scored if p == best]
 
 
-def _bench(fn, quantiles):
+PRUNE = {"fused": _prune, "gemv": functools.partial(_prune, lo=2, hi=32, min_iters=2)}
+
+
+def _bench(fn, quantiles=None):
     return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
 
 
-TUNERS = {b: triton.autotune(configs=c, key=["MB", "N", "K", "BITS", "GROUP"],
-                             prune_configs_by={"early_config_prune": _prune}, do_bench=_bench,
-                             cache_results=True)(_wna16_kernel)
-          for b, c in CONFIGS.items()}
+def _tuner(kernel, configs, keys, prune):
+    return triton.autotune(configs=configs, key=keys, do_bench=_bench, cache_results=True,
+                           prune_configs_by={"early_config_prune": prune})(kernel)
+
+
+_FUSED_KEY = ["MB", "N", "K", "BITS", "GROUP"]
+TUNERS = {
+    "gemv": _tuner(_gemv_kernel, GEMV_CONFIGS, ["N", "K", "BITS", "GROUP"], PRUNE["gemv"]),
+    **{f"m{b}": _tuner(_wna16_kernel, c, _FUSED_KEY, PRUNE["fused"]) for b, c in CONFIGS.items()},
+    **{f"m{b}_join": _tuner(_wna16_kernel, c, _FUSED_KEY, PRUNE["fused"])
+       for b, c in JOIN_CONFIGS.items()},
+}
 
 _WORKSPACE: dict[tuple, torch.Tensor] = {}
 
@@ -376,16 +620,24 @@ def workspace(device: torch.device, numel: int, dtype: torch.dtype) -> torch.Ten
     return buf
 
 
-# One small config per M bucket for the CPU interpreter (autotuning there would run every config).
+# One small config per path for the CPU interpreter (autotuning there would run every config).
 INTERPRET_CONFIGS = {
+    "gemv": dict(BLOCK_N=64, SPLIT_K=2, PF=True),
     16: dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=2, U=1),
     64: dict(BLOCK_M=32, BLOCK_N=32, SPLIT_K=2, U=2),
 }
+IMPLS = {"auto": "auto", "gemv": "gemv", "fma": "gemv", "fused": "fused", "mid": "fused",
+         "tiled": "fused", "dequant": "dequant"}
 
 
 def _fast(p: PackedWNA16, dtype: torch.dtype) -> bool:
     """The packed half-precision dequantization (inline PTX): int4, or int8 under fp16."""
     return not _interpret() and (p.bits == 4 or dtype == torch.float16)
+
+
+def gemv_ok(p: PackedWNA16) -> bool:
+    """The GEMV takes per-channel scales or groups of whole blocks (64 k for int4, 32 for int8)."""
+    return p.group_size is None or p.group_size % (256 // p.bits) == 0
 
 
 def dequantize(p: PackedWNA16, dtype: torch.dtype) -> torch.Tensor:
@@ -399,49 +651,110 @@ def dequantize(p: PackedWNA16, dtype: torch.dtype) -> torch.Tensor:
     return w
 
 
+def _split_workspaces(x, m: int, n: int, max_split: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ws = workspace(x.device, max_split * m * n if max_split > 1 else 1, torch.float32)
+    cnt = workspace(x.device, m * triton.cdiv(n, 16) + 1, torch.int32)
+    return ws, cnt
+
+
+def _launch_gemv(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, config: dict | None) -> None:
+    m, k = x.shape
+    n = p.out_features
+    nblk = p.qweight.shape[0] // 8
+    if config is None and _interpret():
+        config = INTERPRET_CONFIGS["gemv"]
+    if config is None:
+        kept = PRUNE["gemv"](GEMV_CONFIGS, dict(N=n, NBLK=nblk, M=m, y_ptr=out))
+        max_split = max(c.kwargs["SPLIT_K"] for c in kept)
+    else:
+        max_split = config["SPLIT_K"]
+    ws, cnt = _split_workspaces(x, m, n, max_split)
+    args = (x, p.qweight, p.scales, p.zeros, out, ws, cnt, m, n, k, nblk, p.scales.shape[0],
+            x.stride(0), out.stride(0), MAGIC32)
+    common = dict(BITS=p.bits, GROUP=p.group_constexpr)
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"], m)  # noqa: E731
+    kern = TUNERS["gemv"] if config is None else _gemv_kernel
+    kern[grid](*args, **common, **(config or {}))
+
+
+def _launch_fused(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, config: dict | None) -> None:
+    m, k = x.shape
+    n = p.out_features
+    bucket = 16 if m <= 16 else 64
+    config = dict(config or {})
+    join = config.pop("JOIN", not _fast(p, x.dtype))
+    if not config and _interpret():
+        config = INTERPRET_CONFIGS[bucket]
+    tuned = f"m{bucket}_join" if join else f"m{bucket}"
+    nblk = p.qweight.shape[0] // 8
+    if not config:  # the largest split-K the autotuner may pick for this shape
+        kept = PRUNE["fused"](TUNERS[tuned].configs, dict(N=n, NBLK=nblk, M=m, y_ptr=out))
+        max_split = max(c.kwargs["SPLIT_K"] for c in kept)
+    else:
+        max_split = config["SPLIT_K"]
+    ws, cnt = _split_workspaces(x, m, n, max_split)
+    args = (x, p.qweight, p.scales, p.zeros, out, ws, cnt, m, n, k, nblk, p.scales.shape[0],
+            x.stride(0), out.stride(0), MAGIC32, _bucket(m))
+    common = dict(BITS=p.bits, GROUP=p.group_constexpr, EVEN_K=k % BLOCK_K == 0,
+                  FAST=_fast(p, x.dtype) and not join, UPCAST=_interpret(), JOIN=join)
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]),  # noqa: E731
+                         meta["SPLIT_K"])
+    if config:
+        _wna16_kernel[grid](*args, **common, **config)
+    else:
+        TUNERS[tuned][grid](*args, **common)
+
+
+def _launch(path: str, x: torch.Tensor, p: PackedWNA16, out: torch.Tensor,
+            config: dict | None) -> None:
+    if path == "gemv":
+        _launch_gemv(x, p, out, config)
+    elif path == "fused":
+        _launch_fused(x, p, out, config)
+    else:
+        torch.matmul(x, dequantize(p, x.dtype).t(), out=out)
+
+
+def _auto_path(m: int, p: PackedWNA16) -> str:
+    """The GEMV at M = 1 (when it takes the group size), the tensor-core kernel up to
+    DECODE_MAX_M, dequantize + cuBLAS above. On an H200 the GEMV beat the tensor-core kernel at
+    M = 1 on all 16 benchmark cases but one (within 4%), the tensor-core kernel beats it from
+    M = 2 (it reads the weights once for all tokens)."""
+    if m > DECODE_MAX_M:
+        return "dequant"
+    return "gemv" if m == 1 and gemv_ok(p) else "fused"
+
+
 def wna16_matmul(x: torch.Tensor, p: PackedWNA16, impl: str = "auto",
                  config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """`x [M, K]` (bf16/fp16, unit column stride) times the packed weight → `[M, N]` in x's dtype.
 
-    impl: "auto" (M ≤ 64: the fused kernel, else dequantize + cuBLAS), "fused" or
-    "dequant"; the older kernels' names ("fma", "gemv", "mid", "tiled") mean "fused".
-    `config` (meta-parameters, optionally num_warps/num_stages/maxnreg) skips autotuning the
-    fused kernel; under TRITON_INTERPRET=1 a fixed small config is used. `out` (contiguous
-    `[M, N]`) is written in place."""
+    impl: "auto" (see `_auto_path`), "gemv" (alias "fma"; per-channel or groups of whole
+    blocks), "fused" (aliases "mid", "tiled": the tensor-core kernel) or "dequant".
+    `config` (meta-parameters, optionally num_warps/num_stages/maxnreg) skips autotuning: with
+    impl "auto" it names the tensor-core kernel if it holds BLOCK_M, else the GEMV; the
+    tensor-core kernel also takes JOIN (default: int8 under bf16 and the interpreter). Under
+    TRITON_INTERPRET=1 a fixed small config is used. `out` (contiguous `[M, N]`) is written
+    in place."""
     if not p.kernel_ok:
         raise ValueError(f"group size {p.group_size} unsupported by the Triton kernels")
+    if impl not in IMPLS:
+        raise ValueError(f"impl {impl!r}: choose from {', '.join(IMPLS)}")
     assert x.dim() == 2 and x.shape[1] == p.in_features and x.stride(1) == 1
     assert x.dtype in (torch.bfloat16, torch.float16), f"bf16/fp16 activations, got {x.dtype}"
-    m, k = x.shape
-    n = p.out_features
+    m = x.shape[0]
     if p.perm is not None:
         x = x.index_select(1, p.perm)
     if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    assert out.shape == (m, n) and out.is_contiguous() and out.dtype == x.dtype
+        out = torch.empty(m, p.out_features, dtype=x.dtype, device=x.device)
+    assert out.shape == (m, p.out_features) and out.is_contiguous() and out.dtype == x.dtype
     if m == 0:
         return out
-    if impl == "dequant" or (impl == "auto" and m > DECODE_MAX_M and config is None):
-        return torch.matmul(x, dequantize(p, x.dtype).t(), out=out)
-    bucket = 16 if m <= 16 else 64
-    if config is None and _interpret():
-        config = INTERPRET_CONFIGS[bucket]
-    nblk = p.qweight.shape[0] // 8
-    if config is None:  # the largest split-K the autotuner may pick for this shape
-        kept = _prune(CONFIGS[bucket], dict(N=n, NBLK=nblk, M=m, y_ptr=out))
-        max_split = max(c.kwargs["SPLIT_K"] for c in kept)
-    else:
-        max_split = config["SPLIT_K"]
-    ws = workspace(x.device, max_split * m * n if max_split > 1 else 1, torch.float32)
-    cnt = workspace(x.device, triton.cdiv(m, 16) * triton.cdiv(n, 16) + 1, torch.int32)
-    args = (x, p.qweight, p.scales, p.zeros, out, ws, cnt, m, n, k, nblk, p.scales.shape[0],
-            x.stride(0), out.stride(0), MAGIC32, _bucket(m))
-    common = dict(BITS=p.bits, GROUP=p.group_constexpr, EVEN_K=k % BLOCK_K == 0,
-                  FAST=_fast(p, x.dtype), UPCAST=_interpret())
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]),  # noqa: E731
-                         meta["SPLIT_K"])
-    if config is not None:
-        _wna16_kernel[grid](*args, **common, **config)
-    else:
-        TUNERS[bucket][grid](*args, **common)
+    path = IMPLS[impl]
+    if path == "auto":
+        path = _auto_path(m, p) if config is None else "fused" if "BLOCK_M" in config else "gemv"
+    if path == "gemv" and not gemv_ok(p):
+        raise ValueError(f"the GEMV takes groups of {256 // p.bits} k or multiples, "
+                         f"got {p.group_size}")
+    _launch(path, x, p, out, config)
     return out
