@@ -21,7 +21,7 @@ from torch import nn
 from quantlab.quant import kv_cache
 from quantlab.quant.activations import fake_quant_activation
 from quantlab.quant.canonical import input_absmax_key, kv_absmax_keys, load_quant_config, load_scales
-from quantlab.quant.scheme import ActivationScheme, KVCacheScheme
+from quantlab.quant.scheme import ActivationScheme, KVCacheScheme, scheme_from_entry
 
 
 @dataclass
@@ -43,10 +43,6 @@ class FakeQuantHandles:
         self.hooks, self.attentions = [], []
 
 
-def _scheme(entry: dict[str, Any], model: type) -> Any:
-    return model(**{k: v for k, v in entry.items() if k in model.model_fields})
-
-
 def quantize_inputs(linear: nn.Module, scheme: ActivationScheme, absmax: torch.Tensor | None) -> Any:
     """Attach input fake quantization to one Linear; returns the hook handle."""
 
@@ -63,7 +59,7 @@ def apply_fake_quant(model: nn.Module, config: dict[str, Any], scales: dict[str,
     handles = FakeQuantHandles()
     acts = config.get("activations")
     if acts:
-        scheme = _scheme(acts, ActivationScheme)
+        scheme = scheme_from_entry(acts, ActivationScheme)
         for name in acts["modules"]:
             absmax = scales.get(input_absmax_key(name))
             if absmax is None and not scheme.dynamic:
@@ -71,7 +67,7 @@ def apply_fake_quant(model: nn.Module, config: dict[str, Any], scales: dict[str,
             handles.hooks.append(quantize_inputs(model.get_submodule(name), scheme, absmax))
     kv = config.get("kv_cache")
     if kv:
-        scheme_kv = _scheme(kv, KVCacheScheme)
+        scheme_kv = scheme_from_entry(kv, KVCacheScheme)
         kv_cache.enable(model)
         for name in kv["modules"]:
             k_key, v_key = kv_absmax_keys(name)
@@ -91,7 +87,7 @@ def describe(config: dict[str, Any]) -> str:
     parts: list[str] = []
     acts, kv = config.get("activations"), config.get("kv_cache")
     if acts:
-        parts.append(_scheme(acts, ActivationScheme).name)
+        parts.append(scheme_from_entry(acts, ActivationScheme).name)
     if kv:
         parts.append(f"C8_{kv.get('type', 'int')}_{kv.get('granularity', 'head')}")
     return " + ".join(parts) if parts else "weights only"

@@ -28,7 +28,7 @@ from quantlab.errors import UserError
 from quantlab.models.arch import ARCH_SPECS, ArchSpec
 from quantlab.quant.canonical import SCALES_FILE, input_absmax_key, kv_absmax_keys
 from quantlab.quant.primitives import QuantizedWeight, default_g_idx
-from quantlab.quant.scheme import ActivationScheme, KVCacheScheme, WeightScheme
+from quantlab.quant.scheme import ActivationScheme, KVCacheScheme, WeightScheme, scheme_from_entry
 
 SIDECAR = "quantlab_export.json"
 SIDECAR_VERSION = 1
@@ -94,11 +94,11 @@ class Canonical:
     @cached_property
     def activations(self) -> ActivationScheme | None:
         """How the Linear inputs are quantized at inference (None: weight-only)."""
-        return _entry_scheme(self.quant_config.get("activations"), ActivationScheme)
+        return scheme_from_entry(self.quant_config.get("activations"), ActivationScheme)
 
     @cached_property
     def kv_cache(self) -> KVCacheScheme | None:
-        return _entry_scheme(self.quant_config.get("kv_cache"), KVCacheScheme)
+        return scheme_from_entry(self.quant_config.get("kv_cache"), KVCacheScheme)
 
     @property
     def act_modules(self) -> list[str]:
@@ -156,10 +156,6 @@ class Canonical:
 
 
 CARRIERS = "compressed-tensors, trtllm or paddlenlp"
-
-
-def _entry_scheme(entry: dict[str, Any] | None, model: type) -> Any:
-    return model(**{k: v for k, v in entry.items() if k in model.model_fields}) if entry else None
 
 
 def load_source(path: Path) -> Canonical:

@@ -8,7 +8,7 @@ quantized at inference (A8W8, FP8, C8); their ranges come from the `act_ranges` 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -121,3 +121,9 @@ class KVCacheScheme(BaseModel):
     @property
     def kind(self) -> str:
         return quant_kind(self.type)
+
+
+def scheme_from_entry(entry: dict[str, Any] | None, model: type[BaseModel]) -> Any:
+    """A scheme back from its `quant_config.json` entry, which also carries non-scheme keys
+    (`modules`, …); None when the run has no such entry."""
+    return model(**{k: v for k, v in entry.items() if k in model.model_fields}) if entry else None

@@ -21,7 +21,7 @@ from quantlab.quant.canonical import (
     input_absmax_key, kv_absmax_keys, load_canonical, load_quant_config, load_scales,
 )
 from quantlab.quant.primitives import QuantizedWeight
-from quantlab.quant.scheme import ActivationScheme, KVCacheScheme
+from quantlab.quant.scheme import ActivationScheme, KVCacheScheme, scheme_from_entry
 from quantlab.runner.codes import InputQuant
 from quantlab.runner.kv import KVQuant
 from quantlab.runner.linear import Concat, build_linear, fuse
@@ -142,7 +142,7 @@ def _input_quant(config: dict[str, Any], scales: dict[str, torch.Tensor]) -> dic
     entry = config.get("activations")
     if not entry:
         return {}
-    scheme = ActivationScheme(**{k: v for k, v in entry.items() if k in ActivationScheme.model_fields})
+    scheme = scheme_from_entry(entry, ActivationScheme)
     out = {}
     for name in entry["modules"]:
         absmax = None
@@ -158,7 +158,7 @@ def _kv_quant(config: dict[str, Any], scales: dict[str, torch.Tensor]) -> dict[s
     entry = config.get("kv_cache")
     if not entry:
         return {}
-    scheme = KVCacheScheme(**{k: v for k, v in entry.items() if k in KVCacheScheme.model_fields})
+    scheme = scheme_from_entry(entry, KVCacheScheme)
     out = {}
     for name in entry["modules"]:
         k_key, v_key = kv_absmax_keys(name)
