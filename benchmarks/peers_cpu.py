@@ -359,7 +359,7 @@ class Result:
     tool: str
     group_size: int | None
     sym: bool | None
-    status: str = "not run"  # ok | failed | not available | skipped
+    status: str = "not run"  # ok | failed | stopped (by --timeout) | not available | skipped
     perplexity: float | None = None
     delta_vs_float_pct: float | None = None
     quantize_s: float | None = None
@@ -368,6 +368,7 @@ class Result:
     peak_rss_mib: float | None = None
     quantize_ratio: float | None = None  # quantlab quantize time / fastest peer's, same method and group size
     wall_ratio: float | None = None
+    wall_ratio_is_bound: bool = False  # the fastest peer was stopped: quantlab's wall ratio is below wall_ratio
     windows: int | None = None
     error: str | None = None
     notes: list[str] = field(default_factory=list)
@@ -470,7 +471,7 @@ class Bench:
             cmd += ["--windows", str(self.args.windows)]
         measured = self._measure(cmd, env, folder, result)
         if not out.is_file():
-            result.status = "failed"
+            result.status = "stopped" if measured.timed_out else "failed"
             result.error = result.error or f"exit {measured.returncode}, no result; {tail(folder / 'log.txt')}"
             return
         payload = json.loads(out.read_text())
@@ -496,7 +497,7 @@ class Bench:
         result.versions = {"quantlab": version("quantlab"), "git": git_revision(), **torch_versions()}
         self._measure(cmd, child_env({}), folder, result)
         run = folder / "run"
-        if result.status == "failed":
+        if result.status in ("failed", "stopped"):
             return
         self._check_calibration(run / "calib" / "tokens.safetensors", result)
         config = json.loads((run / "quantized" / "quant_config.json").read_text())
@@ -513,7 +514,10 @@ class Bench:
         measured = run_measured(cmd, env, log, cwd=folder, timeout=self.args.timeout)
         result.wall_s, result.peak_rss_mib = measured.wall_s, measured.peak_rss_mib
         if measured.timed_out:
-            result.status, result.error = "failed", f"killed after --timeout {self.args.timeout:.0f} s"
+            # Not a failure: the row ran out of the time this benchmark gave it, and its wall time
+            # so far is a lower bound on the tool's (see derive()).
+            result.status = "stopped"
+            result.error = f"stopped by --timeout {self.args.timeout:.0f} s; last output: {tail(log)}"
         elif measured.returncode != 0:
             result.status, result.error = "failed", f"exit {measured.returncode}: {tail(log)}"
         return measured
@@ -537,7 +541,7 @@ def published_rows(out: Path) -> dict[str, dict[str, Any]]:
     """Rows of a previous run's `--out` JSON by id: a committed table seeds an empty work dir, so
     hours of peer rows are not rerun on a new machine when their inputs hash still matches."""
     try:
-        return {r["id"]: r for r in json.loads(out.read_text())["rows"] if r.get("status") == "ok"}
+        return {r["id"]: r for r in json.loads(out.read_text())["rows"] if r.get("status") in ("ok", "stopped")}
     except (OSError, ValueError, KeyError, TypeError):
         return {}
 
@@ -636,14 +640,20 @@ def derive(results: list[Result]) -> None:
         if base and r.perplexity is not None and r.method != "float":
             r.delta_vs_float_pct = round(100 * (r.perplexity / base - 1), 2)
     for r in results:
+        r.wall_ratio_is_bound = False
         if r.tool != "quantlab" or r.status != "ok":
             continue
-        peers = [p for p in results if p.tool in PEERS and p.status == "ok"
-                 and (p.method, p.group_size) == (r.method, r.group_size)]
+        peers = [p for p in results if p.tool in PEERS and (p.method, p.group_size) == (r.method, r.group_size)]
+        finished = [p for p in peers if p.status == "ok"]
         for attr, ratio in (("quantize_s", "quantize_ratio"), ("wall_s", "wall_ratio")):
-            times = [getattr(p, attr) for p in peers if getattr(p, attr)]
+            times = [getattr(p, attr) for p in finished if getattr(p, attr)]
             if times and getattr(r, attr):
                 setattr(r, ratio, round(getattr(r, attr) / min(times), 2))
+        # A stopped peer's wall time at the stop is a lower bound on its whole wall time, so when
+        # it is the fastest known, quantlab's wall ratio is an upper bound (shown as "<").
+        stopped = [p.wall_s for p in peers if p.status == "stopped" and p.wall_s]
+        if stopped and r.wall_s and (r.wall_ratio is None or r.wall_s / min(stopped) > r.wall_ratio):
+            r.wall_ratio, r.wall_ratio_is_bound = round(r.wall_s / min(stopped), 2), True
 
 
 COLUMNS = ["method", "tool", "scheme", "perplexity", "Δ vs float", "quantize s", "wall s", "peak RSS MiB",
@@ -662,7 +672,8 @@ def cells(r: Result) -> list[str]:
     status = r.status + (" (reused)" if r.reused else "") + (" (stale)" if stale else "") + (f": {r.error}" if r.error and r.status != "ok" else "")
     delta = "—" if r.delta_vs_float_pct is None else f"{r.delta_vs_float_pct:+.2f}%"
     return [r.method, r.tool, scheme, num(r.perplexity, ".3f"), delta, num(r.quantize_s, ".1f"), num(r.wall_s, ".1f"),
-            num(r.peak_rss_mib, ".0f"), num(r.quantize_ratio, ".2f"), num(r.wall_ratio, ".2f"), status]
+            num(r.peak_rss_mib, ".0f"), num(r.quantize_ratio, ".2f"),
+            ("<" if r.wall_ratio_is_bound else "") + num(r.wall_ratio, ".2f"), status]
 
 
 def print_table(results: list[Result], subtitle: str) -> None:
@@ -688,7 +699,7 @@ def markdown(payload: dict[str, Any], results: list[Result]) -> str:
         f"- total benchmark time: {payload['total_seconds']:.0f} s", "",
         "quantize s = the tool's own time around its quantize call; wall s = the whole child process "
         "(load, calibration, quantize, evaluation); ×peer = quantlab's time over the fastest peer's "
-        "for the same method and group size. Activation / KV rows (no group): quantlab runs the `stages` of "
+        "for the same method and group size (`<x`: the fastest peer was stopped by --timeout, so its whole wall time exceeds what was measured and the ratio is below x). Activation / KV rows (no group): quantlab runs the `stages` of "
         "a shipped recipe (below); every tool's scored model quantizes Linear inputs and/or K/V in forward.", "",
         *([*recipes, ""] if recipes else []),
         "| " + " | ".join(COLUMNS) + " |",
