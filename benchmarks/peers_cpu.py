@@ -375,6 +375,7 @@ class Result:
     versions: dict[str, str] = field(default_factory=dict)
     tool_settings: Any = None  # the peer's own configuration objects, as it printed them
     load_avg: list[float] = field(default_factory=list)  # 1-min load average before and after: a busy CPU shows here
+    cpu: str | None = None  # the machine the row ran on (cpu_name()); times are compared only within one
     inputs_hash: str | None = None
     reused: bool = False
     log: str | None = None
@@ -439,7 +440,7 @@ class Bench:
             return result
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
-        result.load_avg = [round(os.getloadavg()[0], 2)]
+        result.load_avg, result.cpu = [round(os.getloadavg()[0], 2)], cpu_name()
         try:
             if row.tool == "quantlab":
                 self._run_quantlab(row, folder, recipe_text, result)
@@ -541,9 +542,13 @@ def published_rows(out: Path) -> dict[str, dict[str, Any]]:
     """Rows of a previous run's `--out` JSON by id: a committed table seeds an empty work dir, so
     hours of peer rows are not rerun on a new machine when their inputs hash still matches."""
     try:
-        return {r["id"]: r for r in json.loads(out.read_text())["rows"] if r.get("status") in ("ok", "stopped")}
+        payload = json.loads(out.read_text())
+        rows = {r["id"]: r for r in payload["rows"] if r.get("status") in ("ok", "stopped")}
     except (OSError, ValueError, KeyError, TypeError):
         return {}
+    for r in rows.values():  # rows from before the per-row machine field ran on the table's machine
+        r.setdefault("cpu", payload.get("machine", {}).get("cpu"))
+    return rows
 
 
 def saved_result(row: Row, saved: Path, digest: str) -> Result:
@@ -643,7 +648,9 @@ def derive(results: list[Result]) -> None:
         r.wall_ratio_is_bound = False
         if r.tool != "quantlab" or r.status != "ok":
             continue
-        peers = [p for p in results if p.tool in PEERS and (p.method, p.group_size) == (r.method, r.group_size)]
+        # Times compare only on one machine: a peer row kept from another CPU pairs with nothing.
+        peers = [p for p in results if p.tool in PEERS and (p.method, p.group_size) == (r.method, r.group_size)
+                 and p.cpu == r.cpu]
         finished = [p for p in peers if p.status == "ok"]
         for attr, ratio in (("quantize_s", "quantize_ratio"), ("wall_s", "wall_ratio")):
             times = [getattr(p, attr) for p in finished if getattr(p, attr)]
@@ -706,8 +713,12 @@ def markdown(payload: dict[str, Any], results: list[Result]) -> str:
         "|" + "|".join("---" if i < 3 or i == len(COLUMNS) - 1 else "---:" for i in range(len(COLUMNS))) + "|",
     ]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in cells(r)) + " |" for r in results]
-    notes = [f"- `{r.id}`: " + "; ".join([*r.notes, *([r.error] if r.error else [])]) for r in results
-             if r.notes or r.error]
+    def elsewhere(r: Result) -> list[str]:
+        return [f"ran on another machine ({r.cpu}); its times pair with no row of this one"] \
+            if r.cpu and r.cpu != m["cpu"] else []
+
+    notes = [f"- `{r.id}`: " + "; ".join([*elsewhere(r), *r.notes, *([r.error] if r.error else [])])
+             for r in results if r.notes or r.error or elsewhere(r)]
     if notes:
         lines += ["", "## Notes", "", *notes]
     lines += ["", "## Versions", ""]
@@ -719,13 +730,17 @@ def markdown(payload: dict[str, Any], results: list[Result]) -> str:
 def machine_info() -> dict[str, Any]:
     import torch
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+    cpu = cpu_name()
     mem = next((int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
                 if line.startswith("MemTotal")), 0)
     return {"cpu": cpu, "nproc": len(os.sched_getaffinity(0)), "mem_gib": round(mem / 2**20, 1),
             "torch_threads": torch.get_num_threads(), "platform": platform.platform(), "nice": os.nice(0),
             "load_avg_start": round(os.getloadavg()[0], 2)}
+
+
+def cpu_name() -> str:
+    return next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")), platform.processor())
 
 
 def torch_versions() -> dict[str, str]:
