@@ -472,7 +472,7 @@ class Bench:
             cmd += ["--windows", str(self.args.windows)]
         measured = self._measure(cmd, env, folder, result)
         if not out.is_file():
-            result.status = "stopped" if measured.timed_out else "failed"
+            result.status = "stopped" if result.status == "stopped" else "failed"  # _measure saw a timeout
             result.error = result.error or f"exit {measured.returncode}, no result; {tail(folder / 'log.txt')}"
             return
         payload = json.loads(out.read_text())
@@ -642,10 +642,10 @@ def derive(results: list[Result]) -> None:
     base = next((r.perplexity for r in results if r.method == "float" and r.status == "ok"), None)
     for r in results:
         r.delta_vs_float_pct = r.quantize_ratio = r.wall_ratio = None  # a reused row's were for another table
+        r.wall_ratio_is_bound = False
         if base and r.perplexity is not None and r.method != "float":
             r.delta_vs_float_pct = round(100 * (r.perplexity / base - 1), 2)
     for r in results:
-        r.wall_ratio_is_bound = False
         if r.tool != "quantlab" or r.status != "ok":
             continue
         # Times compare only on one machine: a peer row kept from another CPU pairs with nothing.
@@ -715,12 +715,12 @@ def markdown(payload: dict[str, Any], results: list[Result]) -> str:
         "|" + "|".join("---" if i < 3 or i == len(COLUMNS) - 1 else "---:" for i in range(len(COLUMNS))) + "|",
     ]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in cells(r)) + " |" for r in results]
-    def elsewhere(r: Result) -> list[str]:
-        return [f"ran on another machine ({r.cpu}); its times pair with no row of this one"] \
+    def row_notes(r: Result) -> list[str]:
+        elsewhere = [f"ran on another machine ({r.cpu}); its times pair with no row of this one"] \
             if r.cpu and r.cpu != m["cpu"] else []
+        return [*elsewhere, *r.notes, *([r.error] if r.error else [])]
 
-    notes = [f"- `{r.id}`: " + "; ".join([*elsewhere(r), *r.notes, *([r.error] if r.error else [])])
-             for r in results if r.notes or r.error or elsewhere(r)]
+    notes = [f"- `{r.id}`: " + "; ".join(texts) for r in results if (texts := row_notes(r))]
     if notes:
         lines += ["", "## Notes", "", *notes]
     lines += ["", "## Versions", ""]

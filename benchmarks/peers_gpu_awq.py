@@ -184,11 +184,9 @@ def versions() -> dict[str, str]:
 
 
 def child_env(pythonpath: str, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               CUDA_VISIBLE_DEVICES="0", PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1",
-               QUANTLAB_CACHE=str(ROOT / "qc"), PYTHONPATH=pythonpath, **extra)
-    return env
+    """The CPU benchmark's child environment (offline, unbuffered), with the GPU visible."""
+    return pc.child_env({"CUDA_VISIBLE_DEVICES": "0", "QUANTLAB_CACHE": str(ROOT / "qc"), "PYTHONPATH": pythonpath,
+                         **extra})
 
 
 def device(_: argparse.Namespace) -> None:
@@ -238,12 +236,10 @@ def rows(_: argparse.Namespace) -> None:
     common = ["--model", str(model), "--calib", str(b / "calib.safetensors"), "--eval", str(b / "eval_tokens.safetensors"),
               "--seq-len", str(pc.EVAL_SEQ_LEN), "--damp", str(pc.DAMP), "--no-act-order", "--windows", "20"]
     awq = ["--method", "awq", "--bits", "4", "--group-size", "64", "--no-sym"]
-    float_cuda = ("import sys, json, torch; sys.path.insert(0, %r); import _common as c; "
-                  "from transformers import AutoModelForCausalLM; from quantlab.eval.perplexity import perplexity; "
-                  "m = AutoModelForCausalLM.from_pretrained(%r, dtype=torch.float32).eval(); "
-                  "r = {'status': 'ok', 'perplexity': perplexity(m, c.eval_stream(%r), 2048, 20, "
-                  "device=torch.device('cuda')).to_dict()}; open('peer_result.json', 'w').write(json.dumps(r))"
-                  % (str(pc.PEER_SCRIPTS), str(model), str(b / "eval_tokens.safetensors")))
+    # Script rows: the script, or on_gpu.py and the unchanged script it runs on the GPU.
+    scripts = {"float": ["float_run.py"], "float-cuda": ["on_gpu.py", "float_run.py"],
+               "llmcompressor:awq-g64-asym": ["on_gpu.py", "llmcompressor_run.py"],
+               "gptqmodel:awq-g64-asym": ["on_gpu.py", "gptqmodel_run.py"]}
     only = [i for i in os.environ.get("ROWS", "").split(",") if i]
     summary["rows"] = [r for r in summary["rows"] if r["id"] not in only]
     for rid in [i for i in ROW_IDS if not only or i in only]:
@@ -253,15 +249,12 @@ def rows(_: argparse.Namespace) -> None:
         tool, method = (rid.split(":") + [""])[:2]
         row = {"id": rid, "tool": "float" if rid.startswith("float") else tool, "method": method.split("-")[0] or "float",
                "scored_on": "cpu" if rid == "float" else "cuda", "notes": []}
-        script = {"float": "float_run.py", "llmcompressor": "on_gpu.py", "gptqmodel": "on_gpu.py"}.get(tool)
-        peer = [] if tool == "float" else [f"{tool}_run.py"]
-        if script:
-            cmd = [sys.executable, str(pc.PEER_SCRIPTS / script), *common, "--workdir", str(folder), "--out", str(out),
-                   "--method", "float"] if tool == "float" else [sys.executable, str(pc.PEER_SCRIPTS / script), *peer,
-                                                                 *common, *awq, "--workdir", str(folder), "--out", str(out)]
+        if rid in scripts:
+            first, *runs = scripts[rid]
+            method_args = ["--method", "float"] if row["tool"] == "float" else awq
+            cmd = [sys.executable, str(pc.PEER_SCRIPTS / first), *runs, *common, *method_args,
+                   "--workdir", str(folder), "--out", str(out)]
             env = child_env(peer_path, **({"GPTQMODEL_CPU_WORKERS": "2"} if tool == "gptqmodel" else {}))
-        elif rid == "float-cuda":
-            cmd, env = [sys.executable, "-c", float_cuda], child_env(peer_path)
         else:  # quantlab, with the benchmark's own recipe, on the GPU, data paths as carried
             r = pc.Row("quantlab", "awq", 64, False)
             recipe = yaml.safe_load(pc.quantlab_recipe(r, argparse.Namespace(windows=20, calib_samples=128), folder / "run"))

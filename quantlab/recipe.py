@@ -90,8 +90,8 @@ class GptqStage(WeightStage):
     act_order: bool = Field(default=False, description="quantize columns by descending diag(H) (desc_act)")
     static_groups: bool = Field(default=False, description="group qparams from the original weights; g_idx = i // G")
     true_sequential: bool = Field(default=True, description="quantize q,k,v → o → gate,up → down, re-observing inputs")
-    # On by default: on SmolLM2 W4 g64 it cuts perplexity 29.69 → 28.61 for ~10 % more time
-    # (benchmarks/results/peers_cpu.md); min/max ranges waste resolution on outlier weights.
+    # On by default: on SmolLM2 W4 g64 it cuts perplexity 29.69 → 28.61 (benchmarks/results/peers_cpu.md)
+    # for about 40 s of single-threaded search on 2 CPU cores; min/max ranges waste resolution on outliers.
     mse_clip: bool = Field(default=True, description="each group's range by a shrink search minimising |q(w) − w|^2.4")
 
 

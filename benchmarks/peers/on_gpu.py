@@ -1,6 +1,6 @@
 """Run a peer script of the CPU benchmark on a GPU, unchanged: the rows of benchmarks/peers_gpu_awq.py.
 
-    python benchmarks/peers/on_gpu.py gptqmodel_run.py|llmcompressor_run.py ARGS...
+    python benchmarks/peers/on_gpu.py gptqmodel_run.py|llmcompressor_run.py|float_run.py ARGS...
 
 The peer scripts' bytes are part of the saved CPU rows' hashes, so they are not edited; this
 wrapper changes only where things run:
@@ -15,6 +15,7 @@ Quantization settings, backends and the rest of each script are its own.
 
 from __future__ import annotations
 
+import functools
 import os
 import runpy
 import sys
@@ -37,22 +38,19 @@ def onload(model: torch.nn.Module) -> None:
     model.to("cuda:0")
 
 
-def score_on_gpu(model: torch.nn.Module, args) -> dict:
+def score_on_gpu(model: torch.nn.Module, args, *, remove_offload: bool = False) -> dict:
     from quantlab.eval.perplexity import perplexity
 
-    if SCRIPT.startswith("llmcompressor"):
+    if remove_offload:
         onload(model)
     model.eval()
     return perplexity(model, _common.eval_stream(args.eval), args.seq_len, args.windows,
                       device=torch.device("cuda:0")).to_dict()
 
 
-SCRIPT = sys.argv[1] if len(sys.argv) > 1 else ""
-
-
 def main() -> int:
     script = sys.argv.pop(1)
-    _common.score = score_on_gpu
+    _common.score = functools.partial(score_on_gpu, remove_offload=script.startswith("llmcompressor"))
     if script.startswith("gptqmodel"):
         from gptqmodel import GPTQModel
 
