@@ -28,7 +28,6 @@ Each row is one child process; the benchmark measures its wall time and peak RSS
 from __future__ import annotations
 
 import argparse
-import fcntl
 import fnmatch
 import hashlib
 import json
@@ -43,6 +42,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from quantlab import toolenv
+from quantlab.toolenv import ToolEnv
+
 REPO = Path(__file__).resolve().parents[1]
 PEER_SCRIPTS = REPO / "benchmarks" / "peers"
 RECIPES = REPO / "recipes"
@@ -52,7 +54,6 @@ TEST_FILE = DATA / "wiki.test.raw"
 MODEL_ALIAS = "smollm2-135m-instruct"
 SEED, CALIB_SAMPLES, CALIB_SEQ_LEN, EVAL_SEQ_LEN = 0, 128, 512, 2048
 DAMP = 0.01
-TORCH_PIN = "torch==2.13.0"  # the CPU build on this index; an unpinned torch pulls GBs of CUDA wheels
 
 
 # --------------------------------------------------------------------------- peers and rows
@@ -60,20 +61,20 @@ TORCH_PIN = "torch==2.13.0"  # the CPU build on this index; an unpinned torch pu
 
 @dataclass(frozen=True)
 class PeerEnv:
-    """How to build one peer's virtualenv and run its script there."""
+    """A peer's tool environment and the script that runs it."""
 
-    name: str
-    packages: tuple[str, ...]
+    env: ToolEnv
     script: str
-    pip_args: tuple[str, ...] = ()
-    build_env: tuple[tuple[str, str], ...] = ()
     run_env: tuple[tuple[str, str], ...] = ()
     # (method, script) for methods `script` does not run; not part of spec(): the venv is the same
     method_scripts: tuple[tuple[str, str], ...] = ()
 
+    @property
+    def name(self) -> str:
+        return self.env.name
+
     def spec(self) -> dict[str, Any]:
-        return {"torch": TORCH_PIN, "packages": list(self.packages), "pip_args": list(self.pip_args),
-                "build_env": dict(self.build_env)}
+        return self.env.spec()
 
     def script_for(self, method: str) -> str:
         return dict(self.method_scripts).get(method, self.script)
@@ -86,12 +87,9 @@ class PeerEnv:
 PEERS = {
     p.name: p
     for p in [
-        # 7.6.0 is the last release that accepts torch 2.13; without BUILD_CUDA_EXT=0 it tries
-        # to compile CUDA kernels; its build needs torch, hence no build isolation.
-        PeerEnv("gptqmodel", ("gptqmodel==7.6.0",), "gptqmodel_run.py", pip_args=("--no-build-isolation",),
-                build_env=(("BUILD_CUDA_EXT", "0"),), run_env=(("GPTQMODEL_CPU_WORKERS", "2"),)),
+        PeerEnv(toolenv.GPTQMODEL, "gptqmodel_run.py", run_env=(("GPTQMODEL_CPU_WORKERS", "2"),)),
         # 0.14 pins transformers<=5.17 and compressed-tensors 0.19: it needs its own environment.
-        PeerEnv("llmcompressor", ("llmcompressor==0.14.0.1",), "llmcompressor_run.py",
+        PeerEnv(ToolEnv("llmcompressor", ("llmcompressor==0.14.0.1",)), "llmcompressor_run.py",
                 method_scripts=(("smoothquant-w8a8", "llmcompressor_actquant_run.py"),
                                 ("fp8-kv", "llmcompressor_actquant_run.py"))),
     ]
@@ -235,70 +233,6 @@ def python_path_dir(work: Path) -> Path:
 
 
 # --------------------------------------------------------------------------- peer virtualenvs
-
-
-def ensure_venv(peer: PeerEnv, root: Path, log: Path) -> Path:
-    """The peer's interpreter; builds its virtualenv on first use (or when its spec changed).
-
-    A lock file serializes concurrent benchmarks; a venv built by hand with the pinned
-    versions is adopted as it is.
-    """
-    root.mkdir(parents=True, exist_ok=True)
-    with (root / f"{peer.name}.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        venv = root / peer.name
-        python = venv / "bin" / "python"
-        marker = venv / "quantlab-bench.json"
-        if python.exists() and marker.is_file() and json.loads(marker.read_text()).get("spec") == peer.spec():
-            return python
-        if python.exists() and installed_matches(python, peer):
-            write_marker(python, peer, marker, None)
-            return python
-        build_venv(peer, root, log)
-        return python
-
-
-def installed_matches(python: Path, peer: PeerEnv) -> bool:
-    """Whether the venv holds the CPU torch pin and every pinned package at its version."""
-    pins = [TORCH_PIN, *peer.packages]
-    code = ("import sys, torch; from importlib.metadata import version\n"
-            "ok = torch.version.cuda is None and all(version(n) == v or version(n).split('+')[0] == v "
-            "for n, v in (p.split('==') for p in sys.argv[1:]))\nprint(ok)")
-    check = subprocess.run([str(python), "-c", code, *pins], capture_output=True, text=True)
-    return check.returncode == 0 and check.stdout.strip() == "True"
-
-
-def write_marker(python: Path, peer: PeerEnv, marker: Path, seconds: float | None) -> None:
-    freeze = subprocess.run([str(python), "-m", "pip", "freeze"], capture_output=True, text=True).stdout
-    marker.write_text(json.dumps({"spec": peer.spec(), "install_seconds": seconds,
-                                  "freeze": freeze.splitlines()}, indent=2) + "\n")
-
-
-def build_venv(peer: PeerEnv, root: Path, log: Path) -> None:
-    venv = root / peer.name
-    python = venv / "bin" / "python"
-    say(f"building the {peer.name} virtualenv in {venv} (minutes; log {log})")
-    shutil.rmtree(venv, ignore_errors=True)
-    constraints = root / f"constraints-{peer.name}.txt"
-    constraints.write_text(TORCH_PIN + "\n")
-    env = {**os.environ, **dict(peer.build_env), "PIP_CONSTRAINT": str(constraints)}
-    start = time.perf_counter()
-    commands = [
-        [getattr(sys, "_base_executable", sys.executable), "-m", "venv", str(venv)],
-        [str(python), "-m", "pip", "install", TORCH_PIN],  # first, so nothing else picks a CUDA torch
-        [str(python), "-m", "pip", "install", "-c", str(constraints), *peer.pip_args, *peer.packages],
-    ]
-    with log.open("a") as fh:
-        for cmd in commands:
-            fh.write(f"$ {' '.join(cmd)}\n")
-            fh.flush()
-            if subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env).returncode != 0:
-                raise RuntimeError(f"{peer.name}: `{' '.join(cmd[2:])}` failed; see {log}")
-    check = subprocess.run([str(python), "-c", "import torch; print(torch.__version__, torch.version.cuda)"],
-                           capture_output=True, text=True)
-    if check.returncode != 0 or check.stdout.split()[-1] != "None":
-        raise RuntimeError(f"{peer.name}: the virtualenv has no CPU torch ({check.stdout.strip() or check.stderr[-300:]})")
-    write_marker(python, peer, venv / "quantlab-bench.json", round(time.perf_counter() - start, 1))
 
 
 # --------------------------------------------------------------------------- measured child processes
@@ -455,7 +389,7 @@ class Bench:
     def _run_script(self, row: Row, folder: Path, result: Result) -> None:
         if row.is_peer:
             peer = PEERS[row.tool]
-            python = ensure_venv(peer, self.args.venvs, self.args.venvs / f"{peer.name}-install.log")
+            python = toolenv.ensure(peer.env, self.args.venvs)
             script = peer.script_for(row.method)
             env = child_env({"PYTHONPATH": str(self.pythonpath), **dict(peer.run_env)})
         else:
@@ -798,9 +732,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=4 * 3600, help="seconds before a row's process is killed")
     p.add_argument("--work", type=Path, default=cache_root() / "bench" / "peers_cpu",
                    help="scratch: shared inputs, per-row logs, run dirs and saved results")
-    p.add_argument("--venvs", type=Path,
-                   default=Path(os.environ.get("QUANTLAB_BENCH_VENVS", Path.home() / ".cache/quantlab/bench-venvs")),
-                   help="where peer virtualenvs are built (env QUANTLAB_BENCH_VENVS)")
+    p.add_argument("--venvs", type=Path, default=toolenv.default_root(),
+                   help="where peer virtualenvs are built (env QUANTLAB_TOOL_ENVS)")
     return p.parse_args(argv)
 
 

@@ -256,4 +256,4 @@ def test_gguf_tokenizer_metadata(tmp_path, tokenizer):
     eos = tokenizer.eos_token_id
     assert types[eos] == gguf.TokenType.CONTROL and types[eos + 1] == gguf.TokenType.NORMAL
     assert len(f["tokenizer.ggml.merges"].data) > 0
-    assert f["tokenizer.ggml.pre"].contents() == "gpt2"
+    assert f["tokenizer.ggml.pre"].contents() == "gpt-2"

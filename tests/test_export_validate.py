@@ -169,6 +169,17 @@ def test_gguf_missing_metadata_never_lands(tmp_path, tokenizer, monkeypatch):
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
 
 
+def test_gguf_pre_tokenizer_llama_cpp_refuses_never_lands(tmp_path, tokenizer, monkeypatch):
+    """llama.cpp refuses to load a file whose pre-tokenizer name it does not know ("gpt2")."""
+    from quantlab.export import gguf_file
+
+    canonical = make_canonical(tmp_path, tokenizer, "llama", SYM)
+    monkeypatch.setattr(gguf_file, "tokenizer_pre", lambda tok: "gpt2")
+    with pytest.raises(ExportInvalid, match=r"tokenizer\.ggml\.pre: config value: llama\.cpp refuses"):
+        api.export(canonical, tmp_path / "out", "gguf-q8_0")
+    assert not (tmp_path / "out").exists()
+
+
 def test_without_fingerprints_pack_order_is_reported_unverifiable(exports, tmp_path):
     bad = broken_copy(exports, "awq", tmp_path)
     (bad / "quantlab_export.json").unlink()

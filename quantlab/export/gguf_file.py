@@ -33,6 +33,7 @@ from quantlab.quant.primitives import QuantizedWeight
 NAME = "gguf"
 BLOCK = 32
 ARCHS = {"llama": True, "qwen2": False}  # model_type → permute Q/K
+PRE_TOKENIZERS = ("gpt-2", "qwen2", "llama-bpe")  # llama.cpp names (llama-vocab.cpp) tokenizer_pre returns
 QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
                r"|\s+(?!\S)|\s+")
 LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -139,7 +140,7 @@ def tokenizer_pre(tok: dict[str, Any]) -> str:
     """llama.cpp's pre-tokenizer name for the tokenizer.json pre-tokenizer."""
     pre = tok.get("pre_tokenizer") or {}
     if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
-        return "gpt2"
+        return "gpt-2"  # llama.cpp's spelling; "gpt2" is refused at load ("unknown pre-tokenizer type")
     if pre.get("type") == "Sequence":
         for p in pre.get("pretokenizers", []):
             regex = (p.get("pattern") or {}).get("Regex") if p.get("type") == "Split" else None
@@ -363,6 +364,9 @@ def validate(path: Path, source: Canonical | None = None) -> Report:
     report.check("config value", "general.quantization_version", meta.get("general.quantization_version") == 2,
                  f"expected 2, got {meta.get('general.quantization_version')!r}")
     if meta.get("tokenizer.ggml.model") == "gpt2":
+        report.check("config value", "tokenizer.ggml.pre", meta.get("tokenizer.ggml.pre") in PRE_TOKENIZERS,
+                     f"llama.cpp refuses pre-tokenizer {meta.get('tokenizer.ggml.pre')!r}; "
+                     f"names written here: {', '.join(PRE_TOKENIZERS)}")
         report.check("metadata key", "tokenizer.ggml.merges", "tokenizer.ggml.merges" in reader.fields,
                      "a gpt2 (BPE) tokenizer needs merges")
     n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else None
