@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import platform
 import re
@@ -41,7 +42,8 @@ from typing import Any, Callable
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run from a bare checkout too
+if importlib.util.find_spec("quantlab") is None:  # a bare checkout; an installed quantlab has quantlab.kernels
+    sys.path.insert(0, str(REPO))
 
 QWEN2_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                 num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768, rope_theta=1e6,

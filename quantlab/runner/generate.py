@@ -98,6 +98,11 @@ class DecodeStep:
         if self.mode == "eager":
             return self.model(self.tok, self.pos, attend_len=pos + 1)[:, -1]
         if self.mode == "compile":
+            if self._logits is None:
+                # one eager step first: kernel autotuning and the split-K workspace allocate in
+                # the normal allocator, not inside the compiled CUDA-graph pool (which refuses
+                # buffers that outlive a replay)
+                self._logits = self._forward()
             return self._compiled().clone()
         if self._graph is None:
             self._capture()
