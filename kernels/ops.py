@@ -4,7 +4,6 @@ CPU-only machine without triton installed."""
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 
@@ -14,9 +13,14 @@ from quantlab.kernels import reference
 from quantlab.kernels.layout import PackedFP8, PackedW8A8, PackedWNA16
 
 
-@functools.cache
+# Decided once, outside any traced code: torch.compile cannot trace importlib's find_spec or
+# functools.cache, and a graph break per Linear would undo the compiled decode step.
+_TRITON = importlib.util.find_spec("triton") is not None
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
 def triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON
 
 
 def interpret_mode() -> bool:
@@ -25,10 +29,13 @@ def interpret_mode() -> bool:
 
 def use_triton(t: torch.Tensor, min_capability: tuple[int, int] = (8, 0)) -> bool:
     """Whether a tensor on this device should go through the Triton kernels."""
-    if not triton_installed():
+    if not _TRITON:
         return False
     if t.device.type == "cuda":
-        return torch.cuda.get_device_capability(t.device) >= min_capability
+        index = t.device.index or 0
+        if index not in _CAPABILITY:  # filled by the first (eager) call on the device
+            _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+        return _CAPABILITY[index] >= min_capability
     return t.device.type == "cpu" and interpret_mode()
 
 
