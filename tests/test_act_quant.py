@@ -47,7 +47,11 @@ def test_static_per_tensor_int8_clips_beyond_the_calibrated_range():
     step = absmax / 127
     inside = x.abs() <= absmax
     assert ((y - x).abs()[inside] <= step / 2 * (1 + 1e-5)).all()
-    assert torch.allclose(y[~inside].abs(), absmax.expand_as(y[~inside]))
+    above, below = x > absmax, x < -127.5 * step  # beyond half a step past −absmax: code −128
+    assert above.any() and below.any()
+    # saturating int8: +127 steps above the range, −128 steps below it (as the engines cast)
+    assert torch.allclose(y[above], absmax.expand_as(y[above]))
+    assert torch.allclose(y[below], (-128 * step).expand_as(y[below]))
     with pytest.raises(ValueError):
         fake_quant_activation(x, STATIC, None)
 

@@ -11,6 +11,10 @@ from __future__ import annotations
 import torch
 
 INT8_MAX = 127.0
+# Codes saturate on the full int8 range: the scale maps absmax to 127, but a value beyond the
+# calibrated range clips to −128 on the negative side, as a saturating int8 cast does in the
+# engines (compressed-tensors' and TensorRT-LLM's input quantizers, CUDA cvt.sat.s8).
+INT8_MIN = -128.0
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 
 
@@ -26,7 +30,7 @@ def fake_quant(x: torch.Tensor, scale: torch.Tensor, kind: str) -> torch.Tensor:
     """Quantize-dequantize `x` with a broadcastable `scale` to int8 or fp8 e4m3."""
     y = x.float() / scale
     if kind == "int8":
-        q = torch.clamp(torch.round(y), -INT8_MAX, INT8_MAX)
+        q = torch.clamp(torch.round(y), INT8_MIN, INT8_MAX)
     else:
         q = torch.clamp(y, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
     return (q * scale).to(x.dtype)

@@ -12,16 +12,16 @@ from dataclasses import dataclass
 
 import torch
 
-from quantlab.quant.activations import FP8_MAX, INT8_MAX, scale_from_absmax
+from quantlab.quant.activations import FP8_MAX, INT8_MAX, INT8_MIN, scale_from_absmax
 
 STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 
 def encode(x: torch.Tensor, scale: torch.Tensor, kind: str) -> torch.Tensor:
-    """`x / scale` as int8 codes on [−127, 127] or FP8 e4m3 codes (saturating)."""
+    """`x / scale` as int8 codes on [−128, 127] or FP8 e4m3 codes (saturating)."""
     y = x.float() / scale
     if kind == "int8":
-        return torch.clamp(torch.round(y), -INT8_MAX, INT8_MAX).to(torch.int8)
+        return torch.clamp(torch.round(y), INT8_MIN, INT8_MAX).to(torch.int8)
     return torch.clamp(y, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
