@@ -169,7 +169,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--windows", type=int, default=40, help="wiki.test.raw windows of 512 tokens (default 40)")
     p.add_argument("--calib-samples", type=int, default=None, help="override every recipe's calibration.num_samples")
-    p.add_argument("--only", default=None, help="comma-separated case ids (default: all; the float rows always run)")
+    p.add_argument("--only", default=None, help="comma-separated case ids (default: all; the float rows always run); "
+                   "their rows replace those in an existing --out")
     p.add_argument("--work", type=Path, default=Path("runs/export_engines"))
     p.add_argument("--out", type=Path, default=None, help="JSON path (a .md is written beside it)")
     return p.parse_args(argv)
@@ -186,11 +187,19 @@ def main(argv: list[str] | None = None) -> int:
         rows += score_case(case, run_dir)
     assert first_run is not None, "no case selected"
     rows += float_baselines(first_run, args.work)
-    payload = {"windows": args.windows, "calib_samples": args.calib_samples,
-               "command": " ".join(["python", "benchmarks/export_engines.py", *(argv or sys.argv[1:])]),
-               "machine": {"cpu": cpu_name(), "cores": os.cpu_count()},
-               "rows": rows, "bars": bars(rows) if not args.only else None}
     out = args.out or args.work / "export_engines.json"
+    command = " ".join(["python", "benchmarks/export_engines.py", *(argv or sys.argv[1:])])
+    if args.only and out.is_file():  # replace the selected cases' rows (and the float rows) in the saved table
+        saved = json.loads(out.read_text())
+        done = {r["case"] for r in rows}
+        rows = [r for r in saved["rows"] if r["case"] not in done] + rows
+        command = f"{saved['command']} && {command}"
+        rows.sort(key=lambda r: [c.id for c in CASES].index(r["case"]) if r["case"] != "float" else len(CASES))
+    complete = {c.id for c in CASES} <= {r["case"] for r in rows}
+    payload = {"windows": args.windows, "calib_samples": args.calib_samples,
+               "command": command,
+               "machine": {"cpu": cpu_name(), "cores": os.cpu_count()},
+               "rows": rows, "bars": bars(rows) if complete else None}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(payload, indent=2) + "\n")
     if payload["bars"]:
