@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [r for r in saved["rows"] if r["case"] not in done] + rows
         command = f"{saved['command']} && {command}"
         rows.sort(key=lambda r: [c.id for c in CASES].index(r["case"]) if r["case"] != "float" else len(CASES))
-    complete = {c.id for c in CASES} <= {r["case"] for r in rows}
+    complete = {"rtn-w8-per-channel", "awq-gptq-w4-g32-sym"} <= {r["case"] for r in rows}  # what bars() reads
     payload = {"windows": args.windows, "calib_samples": args.calib_samples,
                "command": command,
                "machine": {"cpu": cpu_name(), "cores": os.cpu_count()},
