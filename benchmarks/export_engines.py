@@ -7,7 +7,8 @@ AWQ through transformers + gptqmodel, GPTQ through `GPTQModel.load`, compressed-
 transformers + compressed-tensors, GGUF through llama-cpp-python (built from PyPI).
 
 GGUF baselines come from the float model: an F16 file and a Q8_0 file written by quantlab, and
-a Q4_0 file made from the F16 one by llama.cpp's own quantizer (what a user gets without us).
+Q4_0 and Q4_K_M files made from the F16 one by llama.cpp's own quantizer (what a user gets
+without us).
 
     python benchmarks/export_engines.py --out benchmarks/results/export_engines.json
     python benchmarks/export_engines.py --windows 8 --calib-samples 8 --work /tmp/ee   # the CI test's size
@@ -33,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data" / "wikitext-2-raw-v1"
 MODEL = "smollm2-135m-instruct"
 HF_TOLERANCE_PCT, Q8_TOLERANCE_PCT = 0.5, 1.0  # the issue's bars
+LLAMA_BASELINES = ("q4_0", "q4_k_m")  # llama.cpp's quantizer applied to the float F16 file
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,8 @@ class Case:
 
 CASES = [
     Case("rtn-w8-per-channel", "smollm2_rtn_w8a16", (), ("gguf-q8_0",)),
-    Case("awq-gptq-w4-g32-sym", "smollm2_gguf_q4_0", (), ("awq", "gptq", "compressed-tensors", "gguf-q4_0")),
+    Case("awq-gptq-w4-g32-sym", "smollm2_gguf_q4_0", (), ("awq", "gptq", "compressed-tensors", "gguf-q4_0",
+                                                                "gguf-q4_k_m")),
     Case("gptq-w4-g64-asym-act_order", "smollm2_gptq_w4a16", ("stages.0.gptq.weights.symmetric=false",), ("gptq",)),
     Case("smoothquant-w8a8-static", "smollm2_smoothquant_a8w8_static", (), ("compressed-tensors",)),
     Case("smoothquant-w8a8-dynamic", "smollm2_smoothquant_a8w8", (), ("compressed-tensors",)),
@@ -98,7 +101,8 @@ def export_bytes(path: Path) -> int:
 
 
 def float_baselines(run_dir: Path, work: Path) -> list[dict[str, Any]]:
-    """The float model as F16 and Q8_0 GGUF (quantlab's writer), and llama.cpp's Q4_0 of the F16."""
+    """The float model as F16 and Q8_0 GGUF (quantlab's writer), and llama.cpp's Q4_0 and Q4_K_M
+    of the F16."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from quantlab.export.api import export
@@ -113,14 +117,16 @@ def float_baselines(run_dir: Path, work: Path) -> list[dict[str, Any]]:
     for fmt in ("gguf-f16", "gguf-q8_0"):
         if not (work / "float" / fmt).exists():
             export(canonical, work / "float" / fmt, fmt)
-    q4 = work / "float" / "llama-quantize-q4_0.gguf"
-    if not q4.exists():
-        engine_check.llama_quantize(next((work / "float" / "gguf-f16").glob("*.gguf")), q4, "q4_0")
+    llama_quantized = {}
+    for qtype in LLAMA_BASELINES:
+        path = llama_quantized[f"llama.cpp {qtype}"] = work / "float" / f"llama-quantize-{qtype}.gguf"
+        if not path.exists():
+            engine_check.llama_quantize(next((work / "float" / "gguf-f16").glob("*.gguf")), path, qtype)
     windows = engine_check.eval_windows(run_dir)
     ref = fake_quant(run_dir)["float"]
     rows = []
-    for name, path in (("gguf-f16", work / "float" / "gguf-f16"), ("gguf-q8_0", work / "float" / "gguf-q8_0"),
-                       ("llama.cpp q4_0", q4)):
+    for name, path in {"gguf-f16": work / "float" / "gguf-f16", "gguf-q8_0": work / "float" / "gguf-q8_0",
+                       **llama_quantized}.items():
         say(f"float: scoring {name}")
         result = engine_check.score(path, windows)
         rows.append({"case": "float", "export": name, **result, "fake_quant_perplexity": None, "float_perplexity": ref,
@@ -143,7 +149,17 @@ def bars(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "q4_0_awq_vs_float": [awq_q4["perplexity"], float_q4["perplexity"]],
         "q4_0_bytes_awq_vs_float": [awq_q4["bytes"], float_q4["bytes"]],
         "q4_0_awq_beats_float": awq_q4["perplexity"] < float_q4["perplexity"],
+        **k_quant_comparison(by),
     }
+
+
+def k_quant_comparison(by: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
+    """llama.cpp's Q4_K_M of the AWQ+GPTQ weights against its Q4_K_M of the float model."""
+    ours, theirs = by.get(("awq-gptq-w4-g32-sym", "gguf-q4_k_m")), by.get(("float", "llama.cpp q4_k_m"))
+    if not (ours and theirs):
+        return {}
+    return {"q4_k_m_awq_vs_float": [ours["perplexity"], theirs["perplexity"]],
+            "q4_k_m_bytes_awq_vs_float": [ours["bytes"], theirs["bytes"]]}
 
 
 def markdown(payload: dict[str, Any]) -> str:

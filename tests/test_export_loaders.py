@@ -70,6 +70,39 @@ def test_gguf_loads_in_transformers(tmp_path, tokenizer, model_type, qtype):
         assert tok(text)["input_ids"] == tokenizer(text)["input_ids"]
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_gguf_k_quant_through_llama_cpp_quantizer(tmp_path, tokenizer, model_type):
+    """Q4_K_M: the folded weights as F16, re-quantized by llama.cpp (its tool environment); the
+    validator decodes every Linear back near the canonical weight and transformers loads it."""
+    pytest.importorskip("gguf")
+    from transformers import AutoModelForCausalLM
+
+    from quantlab.export import gguf_file
+
+    canonical = make_canonical(tmp_path, tokenizer, model_type, SYM, hidden_size=256, intermediate_size=512)
+    out = tmp_path / "gguf"
+    report = api.export(canonical, out, "gguf-q4_k_m")
+    assert report.ok, report.failures()
+    assert {"Q4_K", "Q6_K"} <= set(report.facts["types"])  # llama.cpp's Q4_K_M mix, not a fallback
+    decoded = [c for c in report.checks if c.rule == "decoded weights"]
+    assert len(decoded) == 2 * 7 and all(c.ok for c in decoded)
+    assert not (out / "model-F16.partial.gguf").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(out, gguf_file=next(out.glob("*.gguf")).name,
+                                                  dtype=torch.float32).eval()
+    floats, _ = gguf_file.read(out)  # transformers decodes the very weights our reader does
+    ours = load_fake_quant_model(canonical)
+    missing, unexpected = ours.load_state_dict(floats, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    ours.tie_weights()
+    ids = sample_ids()
+    assert torch.allclose(logits(loaded, ids), logits(ours, ids), atol=1e-5, rtol=0)
+    # a wrong Q/K permutation (or tensor name) would decode far from the canonical weight
+    q = floats["model.layers.0.self_attn.q_proj.weight"]
+    want = load_canonical(canonical)[1]["model.layers.0.self_attn.q_proj"].dequantize()
+    assert float((q - want).norm() / want.norm()) < gguf_file.K_QUANT_TOLERANCE["q4_k_m"]
+    assert float((q.flip(0) - want).norm() / want.norm()) > 1.0
+
+
 # ----------------------------------------------------------------------------- compressed-tensors
 
 

@@ -7,6 +7,9 @@ folded in) are re-encoded per 32-column block:
     `d = s`; Q4_0 stores `q − z + 8` with `d = s`; Q4_1 stores `q` with `d = s, m = −z·s`;
   * otherwise requantized from the dequantized canonical weight with `gguf.quants.quantize`
     (lossy: a second rounding). F16 is always the dequantized weight in fp16.
+K-quants (Q4_K_M, Q5_K_M, Q6_K) have no exact transcoding: the folded canonical weights are
+written as F16 and handed to llama.cpp's own quantizer (llama-cpp-python, in its tool
+environment), so the file carries llama.cpp's K-quant mix of the weights quantlab computed.
 Float 2-D tensors (embedding, head, Linears the recipe left in float) are F16 in an f16 file
 and Q8_0 otherwise; 1-D tensors (norms, biases) are F32. llama-arch Q and K rows are
 permuted for llama.cpp's rotary layout (`convert_hf_to_gguf.py` `LlamaModel.permute`);
@@ -38,6 +41,12 @@ QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[
                r"|\s+(?!\S)|\s+")
 LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+K_QUANTS = ("q4_k_m", "q5_k_m", "q6_k")  # through llama.cpp's quantizer
+# how far a K-quant may decode from the canonical weight (relative Frobenius error): a wrong
+# name, permutation or shape decodes ~100 % off; llama.cpp's own rounding stays well inside
+K_QUANT_TOLERANCE = {"q4_k_m": 0.15, "q5_k_m": 0.08, "q6_k": 0.04}
 
 
 def _types() -> dict[str, tuple[Any, Any]]:
@@ -221,18 +230,34 @@ def gguf_name(tmap: Any, hf_name: str) -> str:
 
 
 def write(src: Canonical, tmp: Path, final: Path, qtype: str = "q8_0") -> None:
-    import gguf
-
     if src.model_type not in ARCHS:
         raise UserError(f"{NAME}: model_type {src.model_type!r} is not exported; supported: {', '.join(ARCHS)}")
-    if qtype not in _types():
-        raise UserError(f"{NAME}: tensor type {qtype!r}; choose one of {', '.join(_types())}")
-    ggml_type, file_type = _types()[qtype]
-    permute = ARCHS[src.model_type]
-    config, tmap = src.config, tensor_map(src.config)
+    if qtype not in (*_types(), *K_QUANTS):
+        raise UserError(f"{NAME}: tensor type {qtype!r}; choose one of {', '.join((*_types(), *K_QUANTS))}")
     tmp.mkdir(parents=True)
     fname = f"model-{qtype.upper()}.gguf"
-    writer = gguf.GGUFWriter(tmp / fname, src.model_type)
+    if qtype in K_QUANTS:
+        from quantlab.export.engine_check import llama_quantize
+
+        f16 = tmp / "model-F16.partial.gguf"
+        modules = _write_file(src, f16, "f16")
+        llama_quantize(f16, tmp / fname, qtype)
+        f16.unlink()
+        modules = {m: {**info, "type": qtype.upper(), "encoding": "llama.cpp quantizer"} for m, info in modules.items()}
+    else:
+        modules = _write_file(src, tmp / fname, qtype)
+    write_sidecar(src, final, tmp, f"gguf-{qtype}", {"type": qtype}, modules=modules,
+                  extra={"file": fname, "permuted_qk": ARCHS[src.model_type]})
+
+
+def _write_file(src: Canonical, file: Path, qtype: str) -> dict[str, Any]:
+    """One GGUF file of type `qtype`; returns the sidecar's per-Linear record."""
+    import gguf
+
+    _, file_type = _types()[qtype]
+    permute = ARCHS[src.model_type]
+    config, tmap = src.config, tensor_map(src.config)
+    writer = gguf.GGUFWriter(file, src.model_type)
     add_hparams(writer, config, file_type, str(src.quant_config.get("source_model") or config.get("_name_or_path")
                                                  or src.model_type))
     add_tokenizer(writer, src.path, int(config["vocab_size"]))
@@ -250,8 +275,7 @@ def write(src: Canonical, tmp: Path, final: Path, qtype: str = "q8_0") -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    write_sidecar(src, final, tmp, f"gguf-{qtype}", {"type": qtype}, modules=modules,
-                  extra={"file": fname, "permuted_qk": permute})
+    return modules
 
 
 def _tensor_order(name: str) -> tuple:
@@ -432,6 +456,13 @@ def check_against_source(report: Report, path: Path, reader: Any, src: Canonical
         qw = src.quantized.get(module)
         got = floats.get(f"{module}.weight")
         if not report.check("present", module, qw is not None and got is not None, "missing in source or file"):
+            continue
+        if qtype in K_QUANTS:
+            want = qw.dequantize().float()
+            rel = float((got - want).norm() / want.norm().clamp(min=1e-30))
+            report.check("decoded weights", module, rel <= K_QUANT_TOLERANCE[qtype],
+                         f"{100 * rel:.1f} % from the canonical weight (llama.cpp {qtype} stays within "
+                         f"{100 * K_QUANT_TOLERANCE[qtype]:.0f} %)")
             continue
         data, gtype, _ = _encode_tensor(src, f"{module}.weight", qw, qtype, None)
         import gguf

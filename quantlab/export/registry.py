@@ -8,7 +8,7 @@ from types import ModuleType
 from typing import Any, Literal, get_args
 
 ExportFormat = Literal["awq", "gptq", "compressed-tensors", "gguf-f16", "gguf-q8_0", "gguf-q4_0", "gguf-q4_1",
-                       "trtllm", "paddlenlp"]
+                       "gguf-q4_k_m", "gguf-q5_k_m", "gguf-q6_k", "trtllm", "paddlenlp"]
 FORMATS: tuple[str, ...] = get_args(ExportFormat)
 
 _MODULES = {"awq": "awq", "gptq": "gptq", "compressed-tensors": "compressed_tensors", "trtllm": "trtllm",
