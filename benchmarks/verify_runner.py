@@ -75,6 +75,7 @@ def summary(verify: dict[str, Any]) -> dict[str, Any]:
     agreement = verify.get("greedy_agreement")
     return {"runner_perplexity": runner, "fake_quant_perplexity": fq, "perplexity_delta_pct": delta,
             "greedy_agreement": agreement,
+            "floor_agreement": (verify.get("reference_floor") or {}).get("greedy_agreement"),
             "meets_bar": delta is not None and abs(delta) <= PPL_TOLERANCE_PCT and agreement is not None
             and agreement >= AGREEMENT_BAR, "verify": verify}
 
@@ -84,13 +85,19 @@ def markdown(payload: dict[str, Any]) -> str:
              f"16 prompts × 64 greedy tokens; perplexity on {payload['windows']} × 512 windows of wiki.test.raw; "
              f"dtype {payload['dtype']}. "
              f"Command: `{payload['command']}`", "",
-             "| case | runner ppl | fake-quant ppl | Δ | greedy agreement | bar (≤ 0.5 %, ≥ 99 %) |",
-             "|---|---:|---:|---:|---:|---|"]
+             "Floor: the fake-quant model's agreement with its own float64 copy at the same positions "
+             "(how far rounding alone moves a scheme's argmax).", "",
+             "| case | runner ppl | fake-quant ppl | Δ | greedy agreement | floor | bar (≤ 0.5 %, ≥ 99 %) |",
+             "|---|---:|---:|---:|---:|---:|---|"]
     for r in payload["rows"]:
         lines.append(f"| {r['case']} | {r['runner_perplexity']:.4f} | {r['fake_quant_perplexity']:.4f} | "
                      f"{r['perplexity_delta_pct']:+.3f} % | {100 * r['greedy_agreement']:.2f} % | "
-                     f"{'met' if r['meets_bar'] else 'NOT met'} |")
+                     f"{_pct(r.get('floor_agreement'))} | {'met' if r['meets_bar'] else 'NOT met'} |")
     return "\n".join(lines) + "\n"
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.2f} %"
 
 
 def device_name(device: str) -> str:

@@ -31,6 +31,23 @@ SMALL = [(64, 128, 8, 2, 2, pf, None) for pf in (True, False)] + [
     (64, 128, 8, 3, 2, False, None), (64, 64, 4, 3, 2, True, None), (64, 64, 4, 3, 2, False, None),
     (64, 256, 8, 2, 2, False, None), (32, 128, 4, 2, 2, True, None)]
 SPLITS = (1, 2, 4, 8, 16)
+# The M = 1 CUDA-core GEMV: (BLOCK_N, num_warps, num_stages, PF); split-K is swept.
+GEMV = [(bn, w, 1, pf) for bn, w in ((128, 1), (256, 1), (256, 2), (512, 2), (512, 4), (128, 2))
+        for pf in (True, False)]
+GEMV_SPLITS = (2, 4, 8, 16, 32)
+
+
+def configs(m: int, nblk: int) -> list[tuple[str, dict]]:
+    """(impl, explicit config) pairs for a token count: the tensor-core kernel's grid, and at
+    M = 1 also the GEMV's."""
+    out = []
+    for bm, bn, w, st, u, pf, r in (DECODE if m <= 16 else SMALL):
+        out += [("fused", dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=sk, U=u, PF=pf, num_warps=w, num_stages=st,
+                               maxnreg=r)) for sk in SPLITS if sk == 1 or nblk // u >= 2 * sk]
+    if m == 1:
+        out += [("gemv", dict(BLOCK_N=bn, SPLIT_K=sk, PF=pf, num_warps=w, num_stages=st))
+                for bn, w, st, pf in GEMV for sk in GEMV_SPLITS if nblk >= 2 * sk]
+    return out
 
 
 def main() -> None:
@@ -62,29 +79,23 @@ def main() -> None:
                     lambda: torch.ops.aten._weight_int4pack_mm(x, packed, GROUP, sz)))
             rows = []
             nblk = case.w4.qweight.shape[0] // 8
-            for bm, bn, w, st, u, pf, r in (DECODE if m <= 16 else SMALL):
-                for sk in SPLITS:
-                    if sk > 1 and nblk // u < 2 * sk:
-                        continue
-                    cfg = dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=sk, U=u,
-                               PF=pf, num_warps=w, num_stages=st, maxnreg=r)
-                    fn = lambda cfg=cfg: wna16_matmul(x, case.w4, config=cfg)  # noqa: E731
-                    try:
-                        err = rel_err(fn(), ref)
-                        t = bench(graphed(fn), rep=20)
-                    except Exception as e:  # noqa: BLE001 — a config that fails is reported
-                        print(f"  {cfg}: {repr(e)[:200]}", flush=True)
-                        continue
-                    rows.append(dict(shape=name, M=m, ms=t, rel_err=err, **cfg))
+            for impl, cfg in configs(m, nblk):
+                fn = lambda impl=impl, cfg=cfg: wna16_matmul(x, case.w4, impl=impl, config=cfg)  # noqa: E731
+                try:
+                    err = rel_err(fn(), ref)
+                    t = bench(graphed(fn), rep=20)
+                except Exception as e:  # noqa: BLE001 — a config that fails is reported
+                    print(f"  {impl} {cfg}: {repr(e)[:200]}", flush=True)
+                    continue
+                rows.append(dict(shape=name, M=m, ms=t, rel_err=err, impl=impl, **cfg))
             rows.sort(key=lambda r: r["ms"])
             results += rows
             tb = base["bf16"]
             line = "  ".join(f"{kk}={v * 1e3:.1f}us" for kk, v in base.items())
             print(f"\n{name} M={m}: {line}  ({time.time() - t_start:.0f}s)", flush=True)
             for r in rows[: args.top]:
-                print(f"  {r['ms'] * 1e3:6.1f}us  {tb / r['ms']:.2f}x bf16  rel {r['rel_err']:.1e}  "
-                      f"BM={r['BLOCK_M']} BN={r['BLOCK_N']} SK={r['SPLIT_K']} U={r['U']} "
-                      f"w={r['num_warps']} st={r['num_stages']} PF={r['PF']} maxnreg={r['maxnreg']}", flush=True)
+                cfg = " ".join(f"{k}={v}" for k, v in r.items() if k not in ("shape", "M", "ms", "rel_err"))
+                print(f"  {r['ms'] * 1e3:6.1f}us  {tb / r['ms']:.2f}x bf16  rel {r['rel_err']:.1e}  {cfg}", flush=True)
             bad = [r for r in rows if not r["rel_err"] < 1e-2]
             if bad:
                 print(f"  !! {len(bad)} configs with rel_err >= 1e-2, e.g. {bad[0]}", flush=True)

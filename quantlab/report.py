@@ -96,6 +96,10 @@ def _verify_markdown(v: dict[str, Any]) -> list[str]:
         f"{v['prompts_fully_agreeing']}/{v['prompts']} prompts agree on every token",
         f"- final logits: relative error {v['logits']['rel']:.3e}, max abs {v['logits']['max_abs']:.3e}",
     ]
+    floor = v.get("reference_floor")
+    if floor:
+        lines.append(f"- reference floor (the fake-quant model against its own float64 copy): agreement "
+                     f"{100 * floor['greedy_agreement']:.2f}%, logit relative error {floor['logits_rel']:.3e}")
     ppl = v.get("perplexity")
     if ppl:
         r, f = ppl["runner"], ppl["fake_quant"]

@@ -202,8 +202,11 @@ def test_verify_compare_reports_agreement_and_errors(tmp_path, tokenizer):
     assert result["prompts_fully_agreeing"] == 3 and len(result["layers"]) == 2
     assert result["logits"]["rel"] < 1e-5
     assert all(row["max_abs"] < 1e-4 for row in result["layers"])
+    floor = result["reference_floor"]  # the float64 copy really recomputes: near, not identical
+    assert 0 < floor["logits_rel"] < 1e-3 and 0.5 <= floor["greedy_agreement"] <= 1
     # against a different model (float weights) the same measure sees the quantization
-    other = compare(load_runner(source), load_fake_quant_model(source), prompts, max_new_tokens=12)
+    other = compare(load_runner(source), load_fake_quant_model(source), prompts, max_new_tokens=12, floor=False)
+    assert other["reference_floor"] is None
     assert other["logits"]["rel"] > 100 * result["logits"]["rel"]
 
 

@@ -239,6 +239,7 @@ def write(src: Canonical, tmp: Path, final: Path, qtype: str = "q8_0") -> None:
     if qtype in K_QUANTS:
         from quantlab.export.engine_check import llama_quantize
 
+        _note_double_rounding(src, qtype)
         f16 = tmp / "model-F16.partial.gguf"
         modules = _write_file(src, f16, "f16")
         llama_quantize(f16, tmp / fname, qtype)
@@ -248,6 +249,18 @@ def write(src: Canonical, tmp: Path, final: Path, qtype: str = "q8_0") -> None:
         modules = _write_file(src, tmp / fname, qtype)
     write_sidecar(src, final, tmp, f"gguf-{qtype}", {"type": qtype}, modules=modules,
                   extra={"file": fname, "permuted_qk": ARCHS[src.model_type]})
+
+
+def _note_double_rounding(src: Canonical, qtype: str) -> None:
+    """K-quants round again what a 4-bit run already rounded: on SmolLM2 an AWQ+GPTQ g32 run's
+    Q4_K_M scored 34.36 against llama.cpp's Q4_K_M of the float model at 30.67
+    (benchmarks/results/export_engines.md), while its Q4_0 carries the codes exactly."""
+    low = sorted({qw.scheme.bits for qw in src.quantized.values() if qw.scheme.bits < 8})
+    if low:
+        from quantlab.progress import console
+
+        console.print(f"{NAME}: {qtype} re-quantizes this run's {'/'.join(map(str, low))}-bit codes (a second "
+                      "rounding); gguf-q4_0 / gguf-q4_1 carry 4-bit codes exactly")
 
 
 def _write_file(src: Canonical, file: Path, qtype: str) -> dict[str, Any]:

@@ -7,12 +7,19 @@ computes?
   ‖runner − fq‖ / ‖fq‖, and greedy agreement — the share of generated positions where the
   fake-quant model's argmax, given the same context, is the runner's token (teacher forcing:
   one near-tie flips one position instead of derailing the rest of the comparison).
+* The reference's own floor: the fake-quant model run again in float64 on the same sequences,
+  its argmax agreement with the working-precision fake-quant model. Schemes that round
+  activations (per-token int8, FP8, int8 KV) turn a last-bit difference into a different code
+  and, layers later, a different logit: two computations of the very same scheme then disagree
+  where the top two logits are close. The floor says how much disagreement that alone makes,
+  so a runner below 100 % can be told apart from a runner that computes something else.
 * Perplexity of both models on the same windows (the wikitext protocol of
   `quantlab.eval.perplexity`).
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -78,15 +85,17 @@ class _Captured:
 
 @torch.no_grad()
 def compare(runner: Transformer, reference: nn.Module, prompts: Sequence[Sequence[int]],
-            max_new_tokens: int = 64) -> dict[str, Any]:
+            max_new_tokens: int = 64, floor: bool = True) -> dict[str, Any]:
     """Layer errors, logit error and greedy agreement of `runner` against `reference` (a
-    transformers model, e.g. `load_fake_quant_model` with `apply_fake_quant`)."""
+    transformers model, e.g. `load_fake_quant_model` with `apply_fake_quant`); with `floor`,
+    the reference's agreement with its own float64 copy (module docstring)."""
     start = time.perf_counter()
     gen = generate(runner, prompts, max_new_tokens)
     layers = [_LayerStats() for _ in runner.model.layers]
-    logits = _LayerStats()
-    agree, first_miss = 0, []
+    logits, floor_logits = _LayerStats(), _LayerStats()
+    agree, floor_agree, first_miss = 0, 0, []
     ref_dev = next(reference.parameters()).device
+    ref64 = copy.deepcopy(reference).double() if floor else None
     for i, prompt in enumerate(prompts):
         new = gen.tokens[i].cpu()
         seq = torch.cat([torch.as_tensor(list(prompt), dtype=torch.long), new])[None]
@@ -105,6 +114,10 @@ def compare(runner: Transformer, reference: nn.Module, prompts: Sequence[Sequenc
         ref_next = ref[0, p - 1: p - 1 + new.numel()].argmax(-1).cpu()
         hits = ref_next == new
         agree += int(hits.sum())
+        if ref64 is not None:
+            exact = ref64(seq.to(ref_dev), use_cache=False).logits
+            floor_logits.add(ref.cpu(), exact.cpu())
+            floor_agree += int((exact[0, p - 1: p - 1 + new.numel()].argmax(-1).cpu() == ref_next).sum())
         first_miss.append(int(hits.numel() if hits.all() else (~hits).float().argmax()))
     total = gen.tokens.numel()
     return {
@@ -114,6 +127,9 @@ def compare(runner: Transformer, reference: nn.Module, prompts: Sequence[Sequenc
         "prompts_fully_agreeing": sum(m == gen.tokens.shape[1] for m in first_miss),
         "first_disagreement": first_miss,
         "logits": logits.row(),
+        "reference_floor": None if ref64 is None else {
+            "greedy_agreement": floor_agree / max(total, 1), "logits_rel": floor_logits.row()["rel"],
+            "what": "fake-quant model vs its float64 copy at the same positions"},
         "layers": [{"layer": j, **s.row()} for j, s in enumerate(layers)],
         "runner_decode_tokens_per_s": round(gen.decode_tokens_per_s, 2),
         "seconds": round(time.perf_counter() - start, 2),
