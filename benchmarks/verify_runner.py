@@ -48,8 +48,10 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
     sets = [*case.sets, f"device={args.device}", f"output.dir={run_dir}",
             f"calibration.dataset.source={args.data / 'wiki.train.first1MB.raw'}",
             f"evaluate.perplexity.dataset.source={args.data / 'wiki.test.raw'}",
-            f"evaluate.perplexity.max_windows={args.windows}", "verify.num_prompts=16", "verify.max_new_tokens=64",
-            f"verify.perplexity_windows={args.windows}"]
+            f"evaluate.perplexity.max_windows={args.windows}", f"verify.num_prompts={args.prompts}",
+            f"verify.max_new_tokens={args.new_tokens}", f"verify.perplexity_windows={args.windows}"]
+    if args.calib_samples:
+        sets.append(f"calibration.num_samples={args.calib_samples}")
     if args.model:
         sets.append(f"model.id={args.model}")
     if args.dtype:
@@ -82,7 +84,8 @@ def summary(verify: dict[str, Any]) -> dict[str, Any]:
 
 def markdown(payload: dict[str, Any]) -> str:
     lines = [f"# Runner vs fake-quant on real SmolLM2 runs — {payload['device_name']}", "",
-             f"16 prompts × 64 greedy tokens; perplexity on {payload['windows']} × 512 windows of wiki.test.raw; "
+             f"{payload['prompts']} prompts × {payload['new_tokens']} greedy tokens; perplexity on "
+             f"{payload['windows']} × 512 windows of wiki.test.raw; "
              f"dtype {payload['dtype']}. "
              f"Command: `{payload['command']}`", "",
              "Floor: the fake-quant model's agreement with its own float64 copy at the same positions "
@@ -118,12 +121,16 @@ def main(argv: list[str] | None = None) -> int:
                    "takes the kernels' torch reference path)")
     p.add_argument("--data", type=Path, default=DATA, help="directory with wiki.train.first1MB.raw and wiki.test.raw")
     p.add_argument("--windows", type=int, default=8, help="perplexity windows of 512 (evaluation and verify)")
+    p.add_argument("--prompts", type=int, default=16, help="verify prompts (default 16)")
+    p.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per prompt (default 64)")
+    p.add_argument("--calib-samples", type=int, default=None, help="override every recipe's calibration.num_samples")
     p.add_argument("--only", default=None, help="comma-separated case ids")
     p.add_argument("--work", type=Path, default=Path("runs/verify_runner"))
     p.add_argument("--out", type=Path, default=None, help="JSON path (a .md is written beside it)")
     args = p.parse_args(argv)
     rows = [run_case(c, args) for c in CASES if not args.only or c.id in args.only.split(",")]
     payload = {"device": args.device, "device_name": device_name(args.device), "windows": args.windows,
+               "prompts": args.prompts, "new_tokens": args.new_tokens, "calib_samples": args.calib_samples,
                "dtype": args.dtype or "recipe default",
                "command": " ".join(["python", "benchmarks/verify_runner.py", *(argv or sys.argv[1:])]), "rows": rows}
     out = args.out or args.work / f"verify_runner_{args.device}.json"

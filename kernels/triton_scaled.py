@@ -3,8 +3,12 @@
 
 Operands come in through TMA tensor descriptors (Hopper's bulk copy engine; the descriptors
 zero-fill out-of-bounds tiles, so odd M and N need no masks in the K loop). Both operands are
-K-major (`A [M, K]`, `B [N, K]`), the only layout wgmma takes for 8-bit types. Programs are
-ordered in groups of GROUP_M row tiles so concurrently running tiles share B in L2.
+K-major (`A [M, K]`, `B [N, K]`), the only layout wgmma takes for 8-bit types. Tiles are
+ordered in groups of GROUP_M row tiles so concurrently running tiles share B in L2. The
+autotuner picks between one program per tile and persistent programs (one per SM walking the
+tiles in one flattened, software-pipelined loop, so a tile's loads overlap the previous
+tile's epilogue): at M = 4096 on an H200 the persistent ones won the large FP8 shapes
+(benchmarks/results/gemm_nvidia_h200_m4096.md).
 
 Requirements: K a multiple of 16 (TMA row strides are 16-byte aligned); contiguous operands.
 """
@@ -22,22 +26,18 @@ from quantlab.kernels.layout import PackedFP8, PackedW8A8
 
 
 @triton.jit
-def _scaled_mm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, zc_ptr, rs_ptr, y_ptr,
-                      M, N, K, stride_ym, MB,
-                      ROW_A: tl.constexpr, ROW_B: tl.constexpr, ZC: tl.constexpr,
-                      IS_INT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """MB (the M bucket) is only the autotuning key."""
-    pid = tl.program_id(0)
+def _scaled_tile(tile, a_desc, b_desc, sa_ptr, sb_ptr, zc_ptr, rs_ptr, y_ptr, M, N, K, stride_ym,
+                 ROW_A: tl.constexpr, ROW_B: tl.constexpr, ZC: tl.constexpr, IS_INT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr):
+    """One output tile: the K loop, then the scales (and zero correction) in the epilogue."""
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
+    first_m = (tile // per_group) * GROUP_M
     rows = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % rows
-    pid_n = (pid % per_group) // rows
-    off_m = pid_m * BLOCK_M
-    off_n = pid_n * BLOCK_N
+    off_m = (first_m + (tile % per_group) % rows) * BLOCK_M
+    off_n = ((tile % per_group) // rows) * BLOCK_N
     if IS_INT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
     else:
@@ -70,21 +70,49 @@ def _scaled_mm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, zc_ptr, rs_ptr, y_ptr,
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _scaled_mm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, zc_ptr, rs_ptr, y_ptr,
+                      M, N, K, stride_ym, MB,
+                      ROW_A: tl.constexpr, ROW_B: tl.constexpr, ZC: tl.constexpr,
+                      IS_INT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr = False):
+    """MB (the M bucket) is only the autotuning key. PERSISTENT: one program per SM walks the
+    tiles (flattened into one pipelined loop, so the next tile's loads overlap this epilogue)."""
+    if PERSISTENT:
+        num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
+            _scaled_tile(tile, a_desc, b_desc, sa_ptr, sb_ptr, zc_ptr, rs_ptr, y_ptr, M, N, K, stride_ym,
+                         ROW_A, ROW_B, ZC, IS_INT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+    else:
+        _scaled_tile(tl.program_id(0), a_desc, b_desc, sa_ptr, sb_ptr, zc_ptr, rs_ptr, y_ptr, M, N, K,
+                     stride_ym, ROW_A, ROW_B, ZC, IS_INT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+
+
 def _set_blocks(nargs):
     bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
     nargs["a_desc"].block_shape = [bm, bk]
     nargs["b_desc"].block_shape = [bn, bk]
 
 
-def _cfg(bm, bn, bk, warps, stages, group_m=8):
-    return triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m),
+def _cfg(bm, bn, bk, warps, stages, group_m=8, persistent=False):
+    return triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, PERSISTENT=persistent),
                          num_warps=warps, num_stages=stages, pre_hook=_set_blocks)
 
 
 SMALL_M_CONFIGS = [_cfg(64, bn, 128, 4, st) for bn in (64, 128, 256) for st in (3, 4, 5)]
 LARGE_M_CONFIGS = [_cfg(128, 256, 128, 8, 3), _cfg(128, 256, 128, 8, 4), _cfg(256, 128, 128, 8, 3),
                    _cfg(256, 128, 128, 8, 4), _cfg(128, 128, 128, 8, 4), _cfg(128, 128, 128, 4, 4),
-                   _cfg(128, 128, 128, 8, 5), _cfg(128, 256, 64, 8, 4), _cfg(128, 128, 256, 8, 3)]
+                   _cfg(128, 128, 128, 8, 5), _cfg(128, 256, 64, 8, 4), _cfg(128, 128, 256, 8, 3),
+                   # narrow N (K/V projections): more, smaller tiles to fill the SMs
+                   _cfg(128, 64, 128, 4, 4), _cfg(64, 128, 128, 4, 4), _cfg(128, 64, 256, 4, 3)]
+# The same tiles walked by one program per SM, in L2 groups of 4–16 row tiles: on an H200 at
+# M = 4096 these won every FP8 shape of benchmarks/scaled_sweep.py where the one-tile programs
+# trailed torch._scaled_mm (results/scaled_sweep_nvidia_h200_fp8.json).
+LARGE_M_CONFIGS += [_cfg(*c, group_m=g, persistent=True)
+                    for c, groups in (((128, 256, 128, 8, 3), (4, 8, 16)), ((128, 256, 128, 8, 4), (8, 16)),
+                                      ((256, 128, 128, 8, 4), (8,)), ((128, 128, 128, 8, 5), (4,)),
+                                      ((128, 128, 128, 8, 4), (4, 8)), ((128, 128, 128, 4, 4), (4, 8)))
+                    for g in groups]
 
 
 def _bench(fn, quantiles):
@@ -128,10 +156,16 @@ def _launch(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor
     zc_t = zc if zc is not None else sb
     rs_t = rs if rs is not None else sa
     flags = dict(ROW_A=sa.numel() == m, ROW_B=sb.numel() == n, ZC=zc is not None, IS_INT=is_int)
-    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
+
+    def grid(meta):
+        tiles = triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])
+        return (min(tiles, sms) if meta.get("PERSISTENT") else tiles,)
+
     args = (a_desc, b_desc, sa, sb, zc_t, rs_t, y, m, n, k, y.stride(0), _bucket(m))
     if config is not None:
         meta = {kk: config[kk] for kk in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
+        meta["PERSISTENT"] = bool(config.get("PERSISTENT", False))
         _set_blocks({"a_desc": a_desc, "b_desc": b_desc, **meta})
         _scaled_mm_kernel[grid](*args, **flags, **meta, num_warps=config.get("num_warps", 4),
                                 num_stages=config.get("num_stages", 2))

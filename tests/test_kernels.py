@@ -278,14 +278,17 @@ def test_wna16_act_order_kernel(m):
 @needs_triton
 @pytest.mark.parametrize("m", [1, 37])
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_w8a8_kernel_matches_reference(m, symmetric):
-    from quantlab.kernels.triton_scaled import w8a8_matmul
+@pytest.mark.parametrize("persistent", [False, True])
+def test_w8a8_kernel_matches_reference(m, symmetric, persistent):
+    """`persistent`: fewer programs than tiles (4 on a CPU; 6 tiles at M = 37), each walks several."""
+    from quantlab.kernels.triton_scaled import INTERPRET_CONFIG, w8a8_matmul
 
     qw = canonical(72, 96, 8, None, symmetric)
     p = layout.pack_w8a8(qw).to(DEV)
     xq, sx = reference.quantize_act_int8(torch.randn(m, 96, device=DEV))
     out = torch.full((m, 72), float("nan"), dtype=torch.float16, device=DEV)
-    y = w8a8_matmul(xq, sx, p, torch.float16, out=out)
+    config = {**INTERPRET_CONFIG, "PERSISTENT": True} if persistent else None
+    y = w8a8_matmul(xq, sx, p, torch.float16, config=config, out=out)
     assert rel_err(y, reference.w8a8_mm(xq, sx, p, torch.float16)) < TOL[torch.float16]
 
 

@@ -1,0 +1,91 @@
+"""Config sweep for the int8 / FP8 scaled GEMM at prefill sizes (run on the device machine).
+
+Times every candidate config of quantlab.kernels.triton_scaled (no autotuning) on the given
+shapes next to `torch._scaled_mm` / `torch._int_mm` and bf16 cuBLAS, checks each against the
+torch reference and prints the best per case; `--out DIR` writes `scaled_sweep.json`. Used to
+pick LARGE_M_CONFIGS:
+
+    python benchmarks/scaled_sweep.py --kinds fp8 --ms 4096 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gemm import SHAPES, _import_kernels  # noqa: E402
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
+TILES = [(128, 256, 128, 8, 3), (128, 256, 128, 8, 4), (256, 128, 128, 8, 3), (256, 128, 128, 8, 4),
+         (128, 128, 128, 8, 4), (128, 128, 128, 4, 4), (128, 128, 128, 8, 5), (128, 128, 256, 8, 3),
+         (128, 64, 128, 4, 4), (64, 128, 128, 4, 4), (128, 64, 256, 4, 3), (64, 64, 256, 4, 4)]
+GROUPS = (4, 8, 16)
+
+
+def candidates() -> list[dict]:
+    return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, GROUP_M=g, PERSISTENT=p)
+            for (bm, bn, bk, w, st), g, p in itertools.product(TILES, GROUPS, (False, True))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--ms", default="4096")
+    ap.add_argument("--kinds", default="fp8,int8")
+    ap.add_argument("--top", type=int, default=4)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    _import_kernels()
+    from quantlab.kernels import layout, reference
+    from quantlab.kernels.triton_scaled import fp8_matmul, w8a8_matmul
+
+    print(f"# {torch.cuda.get_device_name()}", flush=True)
+    results = []
+    for name, m, kind in itertools.product(args.shapes.split(","), [int(v) for v in args.ms.split(",")],
+                                           args.kinds.split(",")):
+        k, n = SHAPES[name]
+        x = torch.randn(m, k, device="cuda")
+        w = torch.randn(n, k, device="cuda")
+        if kind == "fp8":
+            p = layout.quantize_fp8_weight(w, True)
+            xq, sx = reference.quantize_act_fp8(x, True)
+            run = lambda cfg: fp8_matmul(xq, sx, p, torch.bfloat16, config=cfg)  # noqa: E731
+            ref = reference.fp8_mm(xq, sx, p, torch.bfloat16)
+            base = do_bench(lambda: torch._scaled_mm(xq, p.w.t(), scale_a=sx.reshape(-1, 1),
+                                                     scale_b=p.scale.reshape(1, -1), out_dtype=torch.bfloat16))
+        else:
+            qw = (w / (w.abs().amax(1, keepdim=True) / 127)).round().clamp(-127, 127).to(torch.int8)
+            p = layout.PackedW8A8(qw, (w.abs().amax(1) / 127).float(), None)
+            xq, sx = reference.quantize_act_int8(x)
+            run = lambda cfg: w8a8_matmul(xq, sx, p, torch.bfloat16, config=cfg)  # noqa: E731
+            ref = reference.w8a8_mm(xq, sx, p, torch.bfloat16)
+            base = do_bench(lambda: torch._int_mm(xq, qw.t()))
+        rows = []
+        for cfg in candidates():
+            try:
+                err = float((run(cfg).float() - ref.float()).norm() / ref.float().norm())
+                t = do_bench(lambda: run(cfg))
+            except Exception as e:  # noqa: BLE001 — a config that does not fit is reported
+                print(f"  {cfg}: {repr(e)[:120]}", flush=True)
+                continue
+            rows.append(dict(shape=name, M=m, kind=kind, ms=t, rel_err=err, **cfg))
+        rows.sort(key=lambda r: r["ms"])
+        print(f"\n{name} M={m} {kind}: baseline {base * 1e3:.1f}us", flush=True)
+        for r in rows[: args.top]:
+            cfg = " ".join(f"{k}={v}" for k, v in r.items() if k not in ("shape", "M", "kind", "ms", "rel_err"))
+            print(f"  {r['ms'] * 1e3:7.1f}us  {base / r['ms']:.3f}x baseline  rel {r['rel_err']:.1e}  {cfg}", flush=True)
+        results += rows + [dict(shape=name, M=m, kind=kind, baseline_ms=base)]
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "scaled_sweep.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
