@@ -1,8 +1,8 @@
 """Config sweep for the int8 / FP8 scaled GEMM at prefill sizes (run on the device machine).
 
 Times every candidate config of quantlab.kernels.triton_scaled (no autotuning) on the given
-shapes next to `torch._scaled_mm` / `torch._int_mm` and bf16 cuBLAS, checks each against the
-torch reference and prints the best per case; `--out DIR` writes `scaled_sweep.json`. Used to
+shapes next to `torch._scaled_mm` / `torch._int_mm` (CUDA-graph replays, L2 flushed, as
+benchmarks/gemm.py times them), checks each against the torch reference and prints the best per case; `--out DIR` writes `scaled_sweep.json`. Used to
 pick LARGE_M_CONFIGS:
 
     python benchmarks/scaled_sweep.py --kinds fp8 --ms 4096 --out DIR
@@ -17,13 +17,13 @@ import sys
 from pathlib import Path
 
 import torch
-from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gemm import SHAPES, _import_kernels  # noqa: E402
+from gemm import SHAPES, _import_kernels, bench, graphed  # noqa: E402
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
-TILES = [(128, 256, 128, 8, 3), (128, 256, 128, 8, 4), (256, 128, 128, 8, 3), (256, 128, 128, 8, 4),
+TILES = [(64, 64, 256, 4, 3), (64, 128, 256, 4, 3), (128, 64, 128, 8, 4),
+         (128, 256, 128, 8, 3), (128, 256, 128, 8, 4), (256, 128, 128, 8, 3), (256, 128, 128, 8, 4),
          (128, 128, 128, 8, 4), (128, 128, 128, 4, 4), (128, 128, 128, 8, 5), (128, 128, 256, 8, 3),
          (128, 64, 128, 4, 4), (64, 128, 128, 4, 4), (128, 64, 256, 4, 3), (64, 64, 256, 4, 4)]
 GROUPS = (4, 8, 16)
@@ -58,20 +58,20 @@ def main() -> None:
             xq, sx = reference.quantize_act_fp8(x, True)
             run = lambda cfg: fp8_matmul(xq, sx, p, torch.bfloat16, config=cfg)  # noqa: E731
             ref = reference.fp8_mm(xq, sx, p, torch.bfloat16)
-            base = do_bench(lambda: torch._scaled_mm(xq, p.w.t(), scale_a=sx.reshape(-1, 1),
-                                                     scale_b=p.scale.reshape(1, -1), out_dtype=torch.bfloat16))
+            base = bench(graphed(lambda: torch._scaled_mm(xq, p.w.t(), scale_a=sx.reshape(-1, 1),
+                                                          scale_b=p.scale.reshape(1, -1), out_dtype=torch.bfloat16)))
         else:
             qw = (w / (w.abs().amax(1, keepdim=True) / 127)).round().clamp(-127, 127).to(torch.int8)
             p = layout.PackedW8A8(qw, (w.abs().amax(1) / 127).float(), None)
             xq, sx = reference.quantize_act_int8(x)
             run = lambda cfg: w8a8_matmul(xq, sx, p, torch.bfloat16, config=cfg)  # noqa: E731
             ref = reference.w8a8_mm(xq, sx, p, torch.bfloat16)
-            base = do_bench(lambda: torch._int_mm(xq, qw.t()))
+            base = bench(graphed(lambda: torch._int_mm(xq, qw.t())))
         rows = []
         for cfg in candidates():
             try:
                 err = float((run(cfg).float() - ref.float()).norm() / ref.float().norm())
-                t = do_bench(lambda: run(cfg))
+                t = bench(graphed(lambda: run(cfg)))
             except Exception as e:  # noqa: BLE001 — a config that does not fit is reported
                 print(f"  {cfg}: {repr(e)[:120]}", flush=True)
                 continue
