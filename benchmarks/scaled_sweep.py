@@ -45,6 +45,7 @@ def main() -> None:
     _import_kernels()
     from quantlab.kernels import layout, reference
     from quantlab.kernels.triton_scaled import fp8_matmul, w8a8_matmul
+    from quantlab.quant.activations import quantize_int8_weight
 
     print(f"# {torch.cuda.get_device_name()}", flush=True)
     results = []
@@ -61,8 +62,8 @@ def main() -> None:
             base = bench(graphed(lambda: torch._scaled_mm(xq, p.w.t(), scale_a=sx.reshape(-1, 1),
                                                           scale_b=p.scale.reshape(1, -1), out_dtype=torch.bfloat16)))
         else:
-            qw = (w / (w.abs().amax(1, keepdim=True) / 127)).round().clamp(-127, 127).to(torch.int8)
-            p = layout.PackedW8A8(qw, (w.abs().amax(1) / 127).float(), None)
+            qw, scale = quantize_int8_weight(w)
+            p = layout.PackedW8A8(qw, scale.reshape(-1), None)
             xq, sx = reference.quantize_act_int8(x)
             run = lambda cfg: w8a8_matmul(xq, sx, p, torch.bfloat16, config=cfg)  # noqa: E731
             ref = reference.w8a8_mm(xq, sx, p, torch.bfloat16)

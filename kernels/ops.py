@@ -17,6 +17,7 @@ from quantlab.kernels.layout import PackedFP8, PackedW8A8, PackedWNA16
 # functools.cache, and a graph break per Linear would undo the compiled decode step.
 _TRITON = importlib.util.find_spec("triton") is not None
 _CAPABILITY: dict[int, tuple[int, int]] = {}
+_SMS: dict[int, int] = {}
 
 
 def triton_installed() -> bool:
@@ -25,6 +26,17 @@ def triton_installed() -> bool:
 
 def interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def sm_count(device: torch.device, interpreted: int) -> int:
+    """Streaming multiprocessors of a CUDA device, cached (launch grids ask on every call);
+    `interpreted` stands in on the CPU, where the Triton interpreter runs the grid."""
+    if device.type != "cuda":
+        return interpreted
+    index = device.index or 0
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
 
 
 def use_triton(t: torch.Tensor, min_capability: tuple[int, int] = (8, 0)) -> bool:

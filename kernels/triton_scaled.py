@@ -15,7 +15,6 @@ Requirements: K a multiple of 16 (TMA row strides are 16-byte aligned); contiguo
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -23,6 +22,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from quantlab.kernels.layout import PackedFP8, PackedW8A8
+from quantlab.kernels.ops import interpret_mode, sm_count
 
 
 @triton.jit
@@ -145,7 +145,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor
     a, b = a.contiguous(), b.contiguous()
     y = torch.empty(m, n, dtype=out_dtype, device=a.device) if out is None else out
     assert y.shape == (m, n) and y.is_contiguous() and y.dtype == out_dtype
-    if config is None and os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if config is None and interpret_mode():
         config = INTERPRET_CONFIG
     if m == 0:
         return y
@@ -156,7 +156,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor
     zc_t = zc if zc is not None else sb
     rs_t = rs if rs is not None else sa
     flags = dict(ROW_A=sa.numel() == m, ROW_B=sb.numel() == n, ZC=zc is not None, IS_INT=is_int)
-    sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
+    sms = sm_count(a.device, 4)
 
     def grid(meta):
         tiles = triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])

@@ -55,13 +55,13 @@ M = 1: ~10 cycles between a warp's issues, mostly waiting on global loads; occup
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from quantlab.kernels.layout import BLOCK_K, PackedWNA16
+from quantlab.kernels.ops import interpret_mode, sm_count
 
 MAGIC32 = 0x4B000000  # float32 bits of 2^23
 
@@ -517,15 +517,6 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, NG, magic32,
 # ---------------------------------------------------------------------------------------------
 # Configs and launch
 
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
 
 def _bucket(m: int) -> int:
     return min(triton.next_power_of_2(m), 64)
@@ -572,7 +563,7 @@ def _prune(configs, named_args, lo: int = 1, hi: int = 16, min_iters: int = 1, *
     """Keep configs whose grid gives lo–hi programs per SM and ≥ min_iters loop iterations per
     split (else the grid nearest that window)."""
     n, nblk, m = named_args["N"], named_args["NBLK"], named_args["M"]
-    sms = _num_sms(named_args["y_ptr"].device)
+    sms = sm_count(named_args["y_ptr"].device, 8)
     scored = []
     for c in configs:
         kw = c.kwargs
@@ -635,7 +626,7 @@ IMPLS = {"auto": "auto", "gemv": "gemv", "fma": "gemv", "fused": "fused", "mid":
 
 def _fast(p: PackedWNA16, dtype: torch.dtype) -> bool:
     """The packed half-precision dequantization (inline PTX): int4, or int8 under fp16."""
-    return not _interpret() and (p.bits == 4 or dtype == torch.float16)
+    return not interpret_mode() and (p.bits == 4 or dtype == torch.float16)
 
 
 def gemv_ok(p: PackedWNA16) -> bool:
@@ -664,7 +655,7 @@ def _launch_gemv(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, config: dic
     m, k = x.shape
     n = p.out_features
     nblk = p.qweight.shape[0] // 8
-    if config is None and _interpret():
+    if config is None and interpret_mode():
         config = INTERPRET_CONFIGS["gemv"]
     if config is None:
         kept = PRUNE["gemv"](GEMV_CONFIGS, dict(N=n, NBLK=nblk, M=m, y_ptr=out))
@@ -686,7 +677,7 @@ def _launch_fused(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, config: di
     bucket = 16 if m <= 16 else 64
     config = dict(config or {})
     join = config.pop("JOIN", not _fast(p, x.dtype))
-    if not config and _interpret():
+    if not config and interpret_mode():
         config = INTERPRET_CONFIGS[bucket]
     tuned = f"m{bucket}_join" if join else f"m{bucket}"
     nblk = p.qweight.shape[0] // 8
@@ -699,7 +690,7 @@ def _launch_fused(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, config: di
     args = (x, p.qweight, p.scales, p.zeros, out, ws, cnt, m, n, k, nblk, p.scales.shape[0],
             x.stride(0), out.stride(0), MAGIC32, _bucket(m))
     common = dict(BITS=p.bits, GROUP=p.group_constexpr, EVEN_K=k % BLOCK_K == 0,
-                  FAST=_fast(p, x.dtype) and not join, UPCAST=_interpret(), JOIN=join)
+                  FAST=_fast(p, x.dtype) and not join, UPCAST=interpret_mode(), JOIN=join)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]),  # noqa: E731
                          meta["SPLIT_K"])
     if config:

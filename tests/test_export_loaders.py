@@ -35,6 +35,18 @@ def logits(model, ids) -> torch.Tensor:
     return model(ids).logits.float()
 
 
+def with_decoded_gguf(canonical, out):
+    """The canonical model with the weights quantlab's GGUF reader decodes from `out`."""
+    from quantlab.export import gguf_file
+
+    model = load_fake_quant_model(canonical)
+    floats, _ = gguf_file.read(out)
+    missing, unexpected = model.load_state_dict(floats, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    model.tie_weights()
+    return model
+
+
 # ----------------------------------------------------------------------------- GGUF / transformers
 
 
@@ -44,8 +56,6 @@ def test_gguf_loads_in_transformers(tmp_path, tokenizer, model_type, qtype):
     pytest.importorskip("gguf")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from quantlab.export import gguf_file
-
     canonical = make_canonical(tmp_path, tokenizer, model_type, SYM)
     out = tmp_path / "gguf"
     api.export(canonical, out, f"gguf-{qtype}")
@@ -54,12 +64,7 @@ def test_gguf_loads_in_transformers(tmp_path, tokenizer, model_type, qtype):
     ids = sample_ids()
     got = logits(loaded, ids)
     # 1. exactly the weights our reader decodes: same names, same Q/K un-permutation
-    ours = load_fake_quant_model(canonical)
-    floats, _ = gguf_file.read(out)
-    missing, unexpected = ours.load_state_dict(floats, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    ours.tie_weights()
-    assert torch.allclose(got, logits(ours, ids), atol=1e-5, rtol=0), qtype
+    assert torch.allclose(got, logits(with_decoded_gguf(canonical, out), ids), atol=1e-5, rtol=0), qtype
     # 2. close to the canonical fake-quant model (f16 rounding; q4_0 adds the Q8_0 embedding)
     ref = logits(load_fake_quant_model(canonical), ids)
     tol = {"f16": 2e-3, "q4_0": 3e-2}[qtype] * float(ref.abs().max())
@@ -89,14 +94,10 @@ def test_gguf_k_quant_through_llama_cpp_quantizer(tmp_path, tokenizer, model_typ
     assert not (out / "model-F16.partial.gguf").exists()
     loaded = AutoModelForCausalLM.from_pretrained(out, gguf_file=next(out.glob("*.gguf")).name,
                                                   dtype=torch.float32).eval()
-    floats, _ = gguf_file.read(out)  # transformers decodes the very weights our reader does
-    ours = load_fake_quant_model(canonical)
-    missing, unexpected = ours.load_state_dict(floats, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    ours.tie_weights()
-    ids = sample_ids()
-    assert torch.allclose(logits(loaded, ids), logits(ours, ids), atol=1e-5, rtol=0)
+    ids = sample_ids()  # transformers decodes the very weights our reader does
+    assert torch.allclose(logits(loaded, ids), logits(with_decoded_gguf(canonical, out), ids), atol=1e-5, rtol=0)
     # a wrong Q/K permutation (or tensor name) would decode far from the canonical weight
+    floats, _ = gguf_file.read(out)
     q = floats["model.layers.0.self_attn.q_proj.weight"]
     want = load_canonical(canonical)[1]["model.layers.0.self_attn.q_proj"].dequantize()
     assert float((q - want).norm() / want.norm()) < gguf_file.K_QUANT_TOLERANCE["q4_k_m"]

@@ -232,8 +232,9 @@ def gguf_name(tmap: Any, hf_name: str) -> str:
 def write(src: Canonical, tmp: Path, final: Path, qtype: str = "q8_0") -> None:
     if src.model_type not in ARCHS:
         raise UserError(f"{NAME}: model_type {src.model_type!r} is not exported; supported: {', '.join(ARCHS)}")
-    if qtype not in (*_types(), *K_QUANTS):
-        raise UserError(f"{NAME}: tensor type {qtype!r}; choose one of {', '.join((*_types(), *K_QUANTS))}")
+    choices = (*_types(), *K_QUANTS)
+    if qtype not in choices:
+        raise UserError(f"{NAME}: tensor type {qtype!r}; choose one of {', '.join(choices)}")
     tmp.mkdir(parents=True)
     fname = f"model-{qtype.upper()}.gguf"
     if qtype in K_QUANTS:

@@ -109,15 +109,16 @@ def compare(runner: Transformer, reference: nn.Module, prompts: Sequence[Sequenc
             ref_cap.remove()
         for j, stats in enumerate(layers):
             stats.add(ours_cap.outputs[j].cpu(), ref_cap.outputs[j].cpu())
-        logits.add(ours.cpu(), ref.cpu())
-        p = len(prompt)
-        ref_next = ref[0, p - 1: p - 1 + new.numel()].argmax(-1).cpu()
+        ref = ref.cpu()
+        logits.add(ours.cpu(), ref)
+        generated = slice(len(prompt) - 1, len(prompt) - 1 + new.numel())  # logits predicting `new`
+        ref_next = ref[0, generated].argmax(-1)
         hits = ref_next == new
         agree += int(hits.sum())
         if ref64 is not None:
-            exact = ref64(seq.to(ref_dev), use_cache=False).logits
-            floor_logits.add(ref.cpu(), exact.cpu())
-            floor_agree += int((exact[0, p - 1: p - 1 + new.numel()].argmax(-1).cpu() == ref_next).sum())
+            exact = ref64(seq.to(ref_dev), use_cache=False).logits.cpu()
+            floor_logits.add(ref, exact)
+            floor_agree += int((exact[0, generated].argmax(-1) == ref_next).sum())
         first_miss.append(int(hits.numel() if hits.all() else (~hits).float().argmax()))
     total = gen.tokens.numel()
     return {
