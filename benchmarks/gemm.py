@@ -61,18 +61,12 @@ def bench(fn, rep: int = 30) -> float:
 
 
 def graphed(fn):
-    """Capture fn (already warmed up and autotuned) in a CUDA graph and return its replay: the
-    timing then excludes host launch overhead (Python + Triton's launcher), as a decode loop
-    under CUDA graphs would. do_bench still flushes L2 before every replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
+    """fn (already warmed up and autotuned) as a CUDA-graph replay: timings exclude host launch
+    overhead (Python + Triton's launcher), as a decode loop under CUDA graphs would see it;
+    do_bench still flushes L2 before every replay."""
+    from quantlab.kernels.ops import graph_replay
+
+    return graph_replay(fn)
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:

@@ -15,7 +15,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemm import GROUP, _import_kernels, tinygemm_pack  # noqa: E402
 
-VARIANTS = {  # name: (M, config)
+VARIANTS = {  # name: (M, config); "gemv" is the M = 1 CUDA-core path
+    "gemv": (1, dict(BLOCK_N=256, SPLIT_K=8, PF=True, num_warps=2, num_stages=1)),
     "m1": (1, dict(BLOCK_M=16, BLOCK_N=128, SPLIT_K=8, U=2, num_warps=4,
                    num_stages=2)),
     "m16": (16, dict(BLOCK_M=16, BLOCK_N=128, SPLIT_K=4, U=2, num_warps=4,
@@ -48,7 +49,7 @@ def main() -> None:
         p = qk.pack_wna16(q4, torch.bfloat16)
         x = torch.randn(m, args.k, device="cuda", dtype=torch.bfloat16)
         for _ in range(3):
-            wna16_matmul(x, p, config=cfg)
+            wna16_matmul(x, p, impl="gemv" if args.which == "gemv" else "fused", config=cfg)
     torch.cuda.synchronize()
 
 

@@ -30,6 +30,11 @@ DECODE = [(16, 128, 4, 2, 2, pf, r) for pf in (True, False) for r in (None, 96)]
 SMALL = [(64, 128, 8, 2, 2, pf, None) for pf in (True, False)] + [
     (64, 128, 8, 3, 2, False, None), (64, 64, 4, 3, 2, True, None), (64, 64, 4, 3, 2, False, None),
     (64, 256, 8, 2, 2, False, None), (32, 128, 4, 2, 2, True, None)]
+# --deep: deeper software pipelines (more weight bytes in flight per SM) and smaller M tiles.
+DEEP_DECODE = [(16, bn, 4, st, u, True, None) for bn in (64, 128) for st in (3, 4) for u in (2, 4)]
+DEEP_SMALL = [(64, bn, w, st, u, False, None) for bn, w in ((128, 8), (64, 4)) for st in (3, 4)
+              for u in (1, 4)] + [(32, 128, 4, 3, 2, False, None), (32, 64, 4, 3, 2, False, None),
+                                  (16, 128, 4, 3, 2, True, None), (16, 128, 4, 4, 4, True, None)]
 SPLITS = (1, 2, 4, 8, 16)
 # The M = 1 CUDA-core GEMV: (BLOCK_N, num_warps, num_stages, PF); split-K is swept.
 GEMV = [(bn, w, 1, pf) for bn, w in ((128, 1), (256, 1), (256, 2), (512, 2), (512, 4), (128, 2))
@@ -37,16 +42,27 @@ GEMV = [(bn, w, 1, pf) for bn, w in ((128, 1), (256, 1), (256, 2), (512, 2), (51
 GEMV_SPLITS = (2, 4, 8, 16, 32)
 
 
-def configs(m: int, nblk: int) -> list[tuple[str, dict]]:
+def configs(m: int, nblk: int, deep: str | None = None, n: int = 1,
+            sms: int = 132) -> list[tuple[str, dict]]:
     """(impl, explicit config) pairs for a token count: the tensor-core kernel's grid, and at
-    M = 1 also the GEMV's."""
+    M = 1 also the GEMV's; `deep` adds DEEP_* (only those with `--deep only`). Split-K: the
+    listed powers of 2 and the kernel's whole-wave splits for this shape (WAVES)."""
+    from quantlab.kernels.triton_wna16 import WAVES
+
+    def splits(listed, tiles):
+        return sorted({*listed, *(max(1, round(v * sms / tiles)) for v in WAVES)})
+
     out = []
-    for bm, bn, w, st, u, pf, r in (DECODE if m <= 16 else SMALL):
+    grid = DECODE if m <= 16 else SMALL
+    extra = DEEP_DECODE if m <= 16 else DEEP_SMALL
+    grid = {"": grid, "add": grid + extra, "only": extra}[deep or ""]
+    for bm, bn, w, st, u, pf, r in grid:
         out += [("fused", dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=sk, U=u, PF=pf, num_warps=w, num_stages=st,
-                               maxnreg=r)) for sk in SPLITS if sk == 1 or nblk // u >= 2 * sk]
-    if m == 1:
+                               maxnreg=r))
+                for sk in splits(SPLITS, -(-n // bn) * -(-m // bm)) if sk == 1 or nblk // u >= 2 * sk]
+    if m == 1 and deep != "only":
         out += [("gemv", dict(BLOCK_N=bn, SPLIT_K=sk, PF=pf, num_warps=w, num_stages=st))
-                for bn, w, st, pf in GEMV for sk in GEMV_SPLITS if nblk >= 2 * sk]
+                for bn, w, st, pf in GEMV for sk in splits(GEMV_SPLITS, -(-n // bn)) if nblk >= 2 * sk]
     return out
 
 
@@ -56,9 +72,12 @@ def main() -> None:
     ap.add_argument("--ms", default="1,16,64")
     ap.add_argument("--out", default="")
     ap.add_argument("--top", type=int, default=6)
+    ap.add_argument("--deep", choices=["add", "only"], default=None,
+                    help="also (add) or only (only) the deeper-pipeline configs DEEP_*")
     args = ap.parse_args()
     qk = _import_kernels()
     from quantlab.kernels import reference
+    from quantlab.kernels import triton_wna16 as tw
     from quantlab.kernels.triton_wna16 import wna16_matmul
 
     dev = torch.cuda.get_device_properties(0)
@@ -79,7 +98,7 @@ def main() -> None:
                     lambda: torch.ops.aten._weight_int4pack_mm(x, packed, GROUP, sz)))
             rows = []
             nblk = case.w4.qweight.shape[0] // 8
-            for impl, cfg in configs(m, nblk):
+            for impl, cfg in configs(m, nblk, args.deep, n, dev.multi_processor_count):
                 fn = lambda impl=impl, cfg=cfg: wna16_matmul(x, case.w4, impl=impl, config=cfg)  # noqa: E731
                 try:
                     err = rel_err(fn(), ref)
@@ -90,6 +109,11 @@ def main() -> None:
                 rows.append(dict(shape=name, M=m, ms=t, rel_err=err, impl=impl, **cfg))
             rows.sort(key=lambda r: r["ms"])
             results += rows
+            # what the autotuner picks for the same call (impl auto), timed the same way
+            base["autotuned"] = bench(graphed(lambda: wna16_matmul(x, case.w4)))
+            picked = [str(c) for t in tw.TUNERS.values() for key, c in t.cache.items()
+                      if key[:3] in ((m if m == 1 else tw._bucket(m), n, k), (n, k, 4))]
+            print(f"  autotuned {base['autotuned'] * 1e3:.1f}us: {picked}", flush=True)
             tb = base["bf16"]
             line = "  ".join(f"{kk}={v * 1e3:.1f}us" for kk, v in base.items())
             print(f"\n{name} M={m}: {line}  ({time.time() - t_start:.0f}s)", flush=True)

@@ -22,7 +22,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from quantlab.kernels.layout import PackedFP8, PackedW8A8
-from quantlab.kernels.ops import interpret_mode, sm_count
+from quantlab.kernels.ops import autotune_bench, interpret_mode, sm_count
 
 
 @triton.jit
@@ -115,16 +115,12 @@ LARGE_M_CONFIGS += [_cfg(*c, group_m=g, persistent=True)
                     for g in groups]
 
 
-def _bench(fn, quantiles):
-    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
-
-
 def _bucket(m: int) -> int:
     return min(triton.next_power_of_2(m), 8192)
 
 
 def _autotuned(configs):
-    return triton.autotune(configs=configs, key=["MB", "N", "K", "IS_INT"], do_bench=_bench,
+    return triton.autotune(configs=configs, key=["MB", "N", "K", "IS_INT"], do_bench=autotune_bench,
                            cache_results=True)(_scaled_mm_kernel)
 
 

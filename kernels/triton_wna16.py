@@ -55,13 +55,14 @@ M = 1: ~10 cycles between a warp's issues, mostly waiting on global loads; occup
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 import triton
 import triton.language as tl
 
 from quantlab.kernels.layout import BLOCK_K, PackedWNA16
-from quantlab.kernels.ops import interpret_mode, sm_count
+from quantlab.kernels.ops import autotune_bench, interpret_mode, sm_count
 
 MAGIC32 = 0x4B000000  # float32 bits of 2^23
 
@@ -203,9 +204,9 @@ def _operand(w, d: tl.constexpr, zo, s, magic32,
 
 @triton.jit
 def _finish(acc, y_ptrs, ws_ptrs, MN, mask, cnt_ptr, tile, pid_k, split_k, OUT: tl.constexpr,
-            ONE_LOAD: tl.constexpr = False):
+            ONE_LOAD: tl.constexpr = False, SPLIT_P2: tl.constexpr = 1):
     """Store a tile, or its split-K partial; the last split to arrive sums them in order.
-    ONE_LOAD (1-D tiles, split_k a power-of-2 constexpr): the last split reads every partial
+    ONE_LOAD (1-D tiles; SPLIT_P2 a power of 2 ≥ split_k): the last split reads every partial
     in one load instead of one dependent load per split."""
     if split_k == 1:
         tl.store(y_ptrs, acc.to(OUT), mask=mask)
@@ -215,8 +216,10 @@ def _finish(acc, y_ptrs, ws_ptrs, MN, mask, cnt_ptr, tile, pid_k, split_k, OUT: 
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
         if arrived == split_k - 1:
             if ONE_LOAD:
-                parts = tl.load(ws_ptrs[None, :] + tl.arange(0, split_k)[:, None] * MN,
-                                mask=mask[None, :], other=0.0, cache_modifier=".cg")
+                rows = tl.arange(0, SPLIT_P2)
+                parts = tl.load(ws_ptrs[None, :] + rows[:, None] * MN,
+                                mask=mask[None, :] & (rows < split_k)[:, None], other=0.0,
+                                cache_modifier=".cg")
                 total = tl.sum(parts, axis=0)
             else:
                 total = tl.zeros_like(acc)
@@ -330,7 +333,7 @@ def _gemv_inputs(x_row, s_ptr, z_ptr, b, b1, k_in, s, z, offs_n, n_mask, N, K, N
 def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
                  M, N, K, NBLK, NG, stride_xm, stride_ym, magic32,
                  BITS: tl.constexpr, GROUP: tl.constexpr,
-                 BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, PF: tl.constexpr = True):
+                 SPLIT_K, BLOCK_N: tl.constexpr, SPLIT_P2: tl.constexpr, PF: tl.constexpr = True):
     """See the module docstring; one token row per grid row (program_id 2). A `[BLOCK_N, 8]`
     block with BLOCK_N = 128·num_warps gives each thread all 8 words of its 4 columns. GROUP:
     0 (per-channel) or a multiple of the block (one group per block). The next block's words
@@ -376,7 +379,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
     if GROUP == 0:
         acc = acc * tl.reshape(s, (BLOCK_N,))
     _finish(acc, y_ptr + m * stride_ym + offs_n, ws_ptr + m * N + offs_n, M * N, n_mask, cnt_ptr,
-            m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K, OUT, True)
+            m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K, OUT, True, SPLIT_P2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -539,7 +542,9 @@ CONFIGS = {
     + [_cfg(16, 64, sk, 4, 2, 1) for sk in (16, 32)],  # small N: one block per program
     64: [_cfg(64, 128, sk, 8, 2, pf=pf) for sk in (1, 2, 4, 8) for pf in (True, False)]
     + [_cfg(64, 64, sk, 4, 3, pf=False) for sk in (1, 2, 4, 8)]
-    + [_cfg(64, 256, sk, 8, 2, pf=False) for sk in (1, 2, 4)],
+    + [_cfg(64, 256, sk, 8, 2, pf=False) for sk in (1, 2, 4)]
+    # one block per iteration, 3–4 stages: 55.4 vs 62.9 µs at qwen_up M = 64 (wna16_sweep --deep)
+    + [_cfg(64, 128, 4, 8, st, u=1, pf=False) for st in (3, 4)],
 }
 # JOIN (int8 under bf16): the configs that won for the previous tile-joining int8 kernel
 # (64 columns, 16 words per iteration, 3–4 stages).
@@ -551,26 +556,62 @@ JOIN_CONFIGS = {
 # GEMV: 128 columns per warp, split-K over blocks. Two-warp programs of 256 columns were 5%
 # faster than one-warp ones on the Qwen2-7B MLP shapes at M = 1 on an H200 (22.6 vs 23.9 µs
 # qwen_up, 23.9 vs 25.2 µs qwen_down; benchmarks/wna16_sweep.py); four-warp ones slower.
-GEMV_CONFIGS = [triton.Config(dict(BLOCK_N=128 * w, SPLIT_K=sk, PF=pf), num_warps=w, num_stages=1,
-                              maxnreg=r)
+GEMV_CONFIGS = [triton.Config(dict(BLOCK_N=128 * w, SPLIT_K=sk, SPLIT_P2=sk, PF=pf), num_warps=w,
+                              num_stages=1, maxnreg=r)
                 for w, regs in ((1, (None, 128)), (2, (None,))) for r in regs
                 for sk in (4, 8, 16, 32) for pf in (True, False)]
 DECODE_MAX_M = 64  # above: dequantize + cuBLAS
 DEQUANT_BLOCK_N = 128
 
 
-def _prune(configs, named_args, lo: int = 1, hi: int = 16, min_iters: int = 1, **_):
-    """Keep configs whose grid gives lo–hi programs per SM and ≥ min_iters loop iterations per
-    split (else the grid nearest that window)."""
+# Split-K candidates added per shape: the split that puts about W programs on every SM, for
+# each W. A grid just over a whole number of resident waves runs a second, nearly empty wave
+# (Nsight Compute on the GEMV at qwen_up, 74 column tiles × split 8 = 592 programs with 528
+# resident: 1.12 waves, SMs idle 26% of the kernel), so some W lands each shape on full waves.
+WAVES = (1, 2, 3, 4, 5, 6, 8, 12, 16)
+
+
+def _with_split(c: triton.Config, split: int) -> triton.Config:
+    kw = dict(c.kwargs, SPLIT_K=split)
+    if "SPLIT_P2" in kw:
+        kw["SPLIT_P2"] = triton.next_power_of_2(split)
+    return triton.Config(kw, num_warps=c.num_warps, num_stages=c.num_stages, maxnreg=c.maxnreg)
+
+
+def _split_candidates(configs, tiles_of, sms: int, cap: int | None = None) -> list[triton.Config]:
+    """The listed configs plus, per distinct config apart from its split, the WAVES splits up
+    to `cap` (default: the largest listed one — for the tensor-core kernel more splits, with
+    their longer final reduction, were picked by the autotuner and ran slower: 20 vs 13 µs at
+    K×N = 3584×512, M = 64)."""
+    out, seen = [], set()
+    cap = cap or max(c.kwargs["SPLIT_K"] for c in configs)
+    for c in configs:
+        base = (tuple(sorted((k, v) for k, v in c.kwargs.items() if k not in ("SPLIT_K", "SPLIT_P2"))),
+                c.num_warps, c.num_stages, c.maxnreg)
+        splits = [c.kwargs["SPLIT_K"]] + [min(cap, max(1, round(w * sms / tiles_of(c)))) for w in WAVES]
+        for sk in splits:
+            if (base, sk) not in seen:
+                seen.add((base, sk))
+                out.append(c if sk == c.kwargs["SPLIT_K"] else _with_split(c, sk))
+    return out
+
+
+def _prune(configs, named_args, lo: int = 1, hi: int = 16, min_iters: int = 1,
+           max_split: int | None = None, **_):
+    """Keep configs (with the WAVES splits added) whose grid gives lo–hi programs per SM and
+    ≥ min_iters loop iterations per split (else the grid nearest that window)."""
     n, nblk, m = named_args["N"], named_args["NBLK"], named_args["M"]
     sms = sm_count(named_args["y_ptr"].device, 8)
+
+    def tiles(c: triton.Config) -> int:
+        return triton.cdiv(n, c.kwargs["BLOCK_N"]) * triton.cdiv(m, c.kwargs.get("BLOCK_M", 1))
+
     scored = []
-    for c in configs:
+    for c in _split_candidates(configs, tiles, sms, max_split):
         kw = c.kwargs
         if kw["SPLIT_K"] > 1 and nblk // kw.get("U", 1) < min_iters * kw["SPLIT_K"]:
             continue
-        progs = triton.cdiv(n, kw["BLOCK_N"]) * triton.cdiv(m, kw.get("BLOCK_M", 1)) * kw["SPLIT_K"]
-        scored.append((progs, c))
+        scored.append((tiles(c) * kw["SPLIT_K"], c))
     keep = [c for p, c in scored if lo * sms <= p <= hi * sms]
     if keep:
         return keep
@@ -581,15 +622,13 @@ def _prune(configs, named_args, lo: int = 1, hi: int = 16, min_iters: int = 1, *
     return [c for p, c in scored if p == best]
 
 
-PRUNE = {"fused": _prune, "gemv": functools.partial(_prune, lo=2, hi=32, min_iters=2)}
-
-
-def _bench(fn, quantiles=None):
-    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
+# The GEMV's last split reads all partials in one load: splits up to 64 stay cheap (qwen_down,
+# 296 blocks: split 38 = 532 programs, 22.2 µs against 23.4 at split 32).
+PRUNE = {"fused": _prune, "gemv": functools.partial(_prune, lo=2, hi=32, min_iters=2, max_split=64)}
 
 
 def _tuner(kernel, configs, keys, prune):
-    return triton.autotune(configs=configs, key=keys, do_bench=_bench, cache_results=True,
+    return triton.autotune(configs=configs, key=keys, do_bench=autotune_bench, cache_results=True,
                            prune_configs_by={"early_config_prune": prune})(kernel)
 
 
@@ -645,6 +684,16 @@ def dequantize(p: PackedWNA16, dtype: torch.dtype) -> torch.Tensor:
     return w
 
 
+@functools.lru_cache(maxsize=1024)
+def _max_split(tuner: str, n: int, nblk: int, m: int, device: torch.device) -> int:
+    """The largest split-K the autotuner may pick for a shape (sizes the workspace; cached:
+    pruning builds the candidate configs, too slow to redo per eager call)."""
+    y = types.SimpleNamespace(device=device)  # the prune reads only the output's device
+    kept = PRUNE["gemv" if tuner == "gemv" else "fused"](TUNERS[tuner].configs,
+                                                          dict(N=n, NBLK=nblk, M=m, y_ptr=y))
+    return max(c.kwargs["SPLIT_K"] for c in kept)
+
+
 def _split_workspaces(x, m: int, n: int, max_split: int) -> tuple[torch.Tensor, torch.Tensor]:
     ws = workspace(x.device, max_split * m * n if max_split > 1 else 1, torch.float32)
     cnt = workspace(x.device, m * triton.cdiv(n, 16) + 1, torch.int32)
@@ -657,9 +706,10 @@ def _launch_gemv(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, config: dic
     nblk = p.qweight.shape[0] // 8
     if config is None and interpret_mode():
         config = INTERPRET_CONFIGS["gemv"]
+    if config is not None:
+        config = {"SPLIT_P2": triton.next_power_of_2(config["SPLIT_K"]), **config}
     if config is None:
-        kept = PRUNE["gemv"](GEMV_CONFIGS, dict(N=n, NBLK=nblk, M=m, y_ptr=out))
-        max_split = max(c.kwargs["SPLIT_K"] for c in kept)
+        max_split = _max_split("gemv", n, nblk, m, out.device)
     else:
         max_split = config["SPLIT_K"]
     ws, cnt = _split_workspaces(x, m, n, max_split)
@@ -681,9 +731,8 @@ def _launch_fused(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, config: di
         config = INTERPRET_CONFIGS[bucket]
     tuned = f"m{bucket}_join" if join else f"m{bucket}"
     nblk = p.qweight.shape[0] // 8
-    if not config:  # the largest split-K the autotuner may pick for this shape
-        kept = PRUNE["fused"](TUNERS[tuned].configs, dict(N=n, NBLK=nblk, M=m, y_ptr=out))
-        max_split = max(c.kwargs["SPLIT_K"] for c in kept)
+    if not config:
+        max_split = _max_split(tuned, n, nblk, m, out.device)
     else:
         max_split = config["SPLIT_K"]
     ws, cnt = _split_workspaces(x, m, n, max_split)

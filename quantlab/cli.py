@@ -161,13 +161,15 @@ def generate_cmd(
     seed: Annotated[int, typer.Option(help="sampling seed")] = 0,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
     chat: Annotated[bool, typer.Option(help="wrap the prompt in the tokenizer's chat template")] = False,
+    decode: Annotated[str, typer.Option(
+        help="decode steps: auto (compile on a GPU, eager on the CPU) | eager | graphs | compile")] = "auto",
 ) -> None:
     """Generate text with quantlab's runner from a run's quantized model, streaming to stdout."""
     from quantlab.runner.stream import run_generate
 
     _quiet_libraries()
     run_generate(run_dir, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                 seed=seed, device=device, chat=chat)
+                 seed=seed, device=device, chat=chat, decode=decode)
 
 
 @app.command("recipes")

@@ -170,6 +170,7 @@ WNA16_CASES = [  # bits, group, M, impl, config (None = the interpreter default)
     (4, 128, 1, "auto", None, torch.bfloat16),
     (8, None, 1, "auto", None, torch.float16),
     (8, 64, 1, "auto", dict(BLOCK_N=64, SPLIT_K=4, PF=False), torch.bfloat16),
+    (4, 64, 1, "gemv", dict(BLOCK_N=32, SPLIT_K=3, PF=True), torch.float16),  # split ≠ 2^n
     (4, None, 3, "gemv", None, torch.float16),  # one grid row per token
     # tensor cores, default JOIN: whole-iteration operand (int8 under bf16 on a GPU; every
     # case in the interpreter, where FAST — int4 on a GPU — cannot run)
@@ -244,10 +245,25 @@ def test_wna16_gemv_rejects_groups_smaller_than_a_block():
 
 
 @needs_triton
+def test_split_k_candidates_fill_whole_waves():
+    """Per shape the autotuner also gets the splits that put W programs on each SM: for the
+    Qwen2-7B up projection's GEMV (74 tiles of 256 columns, 132 SMs) that includes split 7 =
+    518 programs, one full wave at 4 resident programs per SM, which no power of 2 gives."""
+    from quantlab.kernels import triton_wna16 as tw
+
+    base = [c for c in tw.GEMV_CONFIGS if c.num_warps == 2 and c.kwargs["SPLIT_K"] == 8]
+    cands = tw._split_candidates(base, lambda c: 74, 132)
+    splits = {c.kwargs["SPLIT_K"]: c.kwargs["SPLIT_P2"] for c in cands}
+    assert splits[7] == 8 and splits[8] == 8 and splits[2] == 2
+    assert len(cands) == len({(tuple(sorted(c.kwargs.items())), c.maxnreg) for c in cands})
+
+
+@needs_triton
 @pytest.mark.parametrize("impl,cfg", [
     ("fused", dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=3, U=1, PF=True)),
     ("gemv", dict(BLOCK_N=32, SPLIT_K=4, PF=True)),
     ("gemv", dict(BLOCK_N=32, SPLIT_K=2, PF=False)),
+    ("gemv", dict(BLOCK_N=32, SPLIT_K=5, PF=True)),
 ])
 def test_wna16_split_k_counters_are_left_clean(impl, cfg):
     """The last split resets its tile counter: a second call (other data, same buffers) must be

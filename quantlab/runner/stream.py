@@ -46,7 +46,7 @@ def check_args(prompt: str, max_new_tokens: int, temperature: float, top_k: int 
 
 def run_generate(path: Path, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0,
                  top_k: int | None = None, seed: int = 0, device: str = "auto", chat: bool = False,
-                 out: TextIO | None = None) -> None:
+                 out: TextIO | None = None, decode: str = "auto") -> None:
     from transformers import AutoTokenizer
 
     from quantlab.context import pick_device
@@ -57,6 +57,10 @@ def run_generate(path: Path, prompt: str, max_new_tokens: int = 64, temperature:
     if device not in ("auto", "cpu", "cuda"):
         raise UserError(f"--device: got {device!r}; one of auto, cpu, cuda")
     dev = pick_device(device)
+    if decode not in ("auto", "eager", "graphs", "compile"):
+        raise UserError(f"--decode: got {decode!r}; one of auto, eager, graphs, compile")
+    if decode == "graphs" and dev.type != "cuda":
+        raise UserError(f"--decode graphs needs a CUDA device; the model runs on {dev.type}")
     source = model_dir(Path(path))
     tokenizer = AutoTokenizer.from_pretrained(source)
     if chat:
@@ -73,7 +77,7 @@ def run_generate(path: Path, prompt: str, max_new_tokens: int = 64, temperature:
     stream = TextStream(tokenizer, out or sys.stdout)
     start = time.perf_counter()
     result = generate(model, [ids], max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
-                      eos_token_id=tokenizer.eos_token_id, on_token=stream)
+                      eos_token_id=tokenizer.eos_token_id, on_token=stream, decode=decode)
     stream.out.write("\n")
     seconds = time.perf_counter() - start
     print(f"[{result.lengths[0]} tokens in {seconds:.2f} s; prefill {result.prefill_tokens_per_s:.1f} tok/s, "
