@@ -31,7 +31,10 @@ SMALL = [(64, 128, 8, 2, 2, pf, None) for pf in (True, False)] + [
     (64, 128, 8, 3, 2, False, None), (64, 64, 4, 3, 2, True, None), (64, 64, 4, 3, 2, False, None),
     (64, 256, 8, 2, 2, False, None), (32, 128, 4, 2, 2, True, None)]
 # --deep: deeper software pipelines (more weight bytes in flight per SM) and smaller M tiles.
-DEEP_DECODE = [(16, bn, 4, st, u, True, None) for bn in (64, 128) for st in (3, 4) for u in (2, 4)]
+DEEP_DECODE = [(16, bn, 4, st, u, True, None) for bn in (64, 128) for st in (3, 4) for u in (2, 4)] + [
+    # fewer than 4 warps: Triton falls back from wgmma to mma.sync, which takes A from registers
+    (16, bn, w, st, 2, pf, None) for bn, w in ((64, 2), (128, 2), (32, 1), (64, 1)) for st in (2, 3)
+    for pf in (True, False)]
 DEEP_SMALL = [(64, bn, w, st, u, False, None) for bn, w in ((128, 8), (64, 4)) for st in (3, 4)
               for u in (1, 4)] + [(32, 128, 4, 3, 2, False, None), (32, 64, 4, 3, 2, False, None),
                                   (16, 128, 4, 3, 2, True, None), (16, 128, 4, 4, 4, True, None)]

@@ -43,13 +43,17 @@ Split-K (SPLIT_K programs along K per output tile) writes float32 partials into 
 a counter per tile elects the last program, which sums the partials in split order
 (deterministic) and writes the output, then resets the counter — no memset per call and
 CUDA-graph replays stay correct. One workspace per device: calls on different streams must
-not overlap.
+not overlap. The autotuner gets, per shape, the splits that fill whole waves of programs
+(`WAVES`; not only powers of 2), timed as CUDA-graph replays (`ops.autotune_bench`).
 
 Measured on an H200 (benchmarks/results/gemm_nvidia_h200.md, CUDA graphs, L2 flushed), on
-the Qwen2-7B / Llama-3-8B MLP shapes: W4A16 g128 at M = 1 1.9–2.1× bf16 cuBLAS (faster than
-torch's tinygemm), at M = 16 1.5–1.65×; W8A16 at M = 1 1.5–1.6×, at M = 16 1.2–1.3×. The
-decode kernels are latency-bound per program (Nsight Compute on the tensor-core kernel at
-M = 1: ~10 cycles between a warp's issues, mostly waiting on global loads; occupancy 25%).
+the Qwen2-7B / Llama-3-8B MLP shapes: W4A16 g128 at M = 1 2.0–2.3× bf16 cuBLAS (faster than
+torch's tinygemm), at M = 16 1.6–1.75×, at M = 64 0.9–1.1×; W8A16 at M = 1 1.6–1.7×. What
+bounds them (Nsight Compute, benchmarks/profile_wna16.py): the GEMV is issue-bound — 4.1
+instructions per weight (LOP3, the float32 `q − z`, the FMA, and the activations' trip
+through shared memory), 255 registers, 8 warps per SM, one issued every 1.7 cycles; the
+tensor-core kernel at M = 16 waits on global loads (occupancy 25%) and at M = 64 on shared
+memory (the MIO queue, 52% of stalls).
 """
 
 from __future__ import annotations
@@ -539,7 +543,9 @@ CONFIGS = {
          for pf in (True, False) for r in (None, 96)]
     + [_cfg(16, bn, sk, 4, 2, pf=pf) for bn, pf in ((256, False), (64, True))
        for sk in (2, 4, 8, 16)]
-    + [_cfg(16, 64, sk, 4, 2, 1) for sk in (16, 32)],  # small N: one block per program
+    + [_cfg(16, 64, sk, 4, 2, 1) for sk in (16, 32)]  # small N: one block per program
+    # three stages: qwen_down M = 16 28.7 µs (split 9) against 30.5 autotuned without them
+    + [_cfg(16, 128, 8, 4, 3, u=u) for u in (2, 4)],
     64: [_cfg(64, 128, sk, 8, 2, pf=pf) for sk in (1, 2, 4, 8) for pf in (True, False)]
     + [_cfg(64, 64, sk, 4, 3, pf=False) for sk in (1, 2, 4, 8)]
     + [_cfg(64, 256, sk, 8, 2, pf=False) for sk in (1, 2, 4)]
@@ -553,9 +559,11 @@ JOIN_CONFIGS = {
     + [_cfg(16, 128, sk, 4, 3, pf=False) for sk in (2, 4, 8)],
     64: [_cfg(bm, 64, sk, 4, 3, pf=False) for bm in (32, 64) for sk in (1, 2, 4, 8)],
 }
-# GEMV: 128 columns per warp, split-K over blocks. Two-warp programs of 256 columns were 5%
-# faster than one-warp ones on the Qwen2-7B MLP shapes at M = 1 on an H200 (22.6 vs 23.9 µs
-# qwen_up, 23.9 vs 25.2 µs qwen_down; benchmarks/wna16_sweep.py); four-warp ones slower.
+# GEMV: 128 columns per warp, split-K over blocks (the listed powers of 2 plus the WAVES
+# splits). With whole-wave splits one- and two-warp programs are within 5% of each other on
+# the Qwen2-7B MLP shapes at M = 1 on an H200 (qwen_up: 1 warp, split 7 = 518 programs,
+# 20.5 µs; qwen_down: 2 warps, split 38, 22.2 µs; the best power of 2 22.5 and 23.4 µs;
+# benchmarks/wna16_sweep.py); four-warp ones slower.
 GEMV_CONFIGS = [triton.Config(dict(BLOCK_N=128 * w, SPLIT_K=sk, SPLIT_P2=sk, PF=pf), num_warps=w,
                               num_stages=1, maxnreg=r)
                 for w, regs in ((1, (None, 128)), (2, (None,))) for r in regs
