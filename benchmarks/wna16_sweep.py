@@ -38,6 +38,11 @@ DEEP_DECODE = [(16, bn, 4, st, u, True, None) for bn in (64, 128) for st in (3, 
 DEEP_SMALL = [(64, bn, w, st, u, False, None) for bn, w in ((128, 8), (64, 4)) for st in (3, 4)
               for u in (1, 4)] + [(32, 128, 4, 3, 2, False, None), (32, 64, 4, 3, 2, False, None),
                                   (16, 128, 4, 3, 2, True, None), (16, 128, 4, 4, 4, True, None)]
+# M > 64: the tensor-core kernel with the tokens as wgmma's N side, against dequantize + cuBLAS
+# (the `dequant` row, what `_auto_path` runs there). On an H200 it lost by about 2× (qwen_down
+# M = 256: 226 vs 119 µs; M = 1024: 438 vs 249 µs): shared-memory bound, as at M = 64.
+LARGE = [(bm, bn, 8, st, u, False, None) for bm, bn in ((128, 128), (256, 128), (128, 256))
+         for st in (2, 3, 4) for u in (1, 2)]
 SPLITS = (1, 2, 4, 8, 16)
 # The M = 1 CUDA-core GEMV: (BLOCK_N, num_warps, num_stages, PF); split-K is swept.
 GEMV = [(bn, w, 1, pf) for bn, w in ((128, 1), (256, 1), (256, 2), (512, 2), (512, 4), (128, 2))
@@ -56,13 +61,14 @@ def configs(m: int, nblk: int, deep: str | None = None, n: int = 1,
         return sorted({*listed, *(max(1, round(v * sms / tiles)) for v in WAVES)})
 
     out = []
-    grid = DECODE if m <= 16 else SMALL
-    extra = DEEP_DECODE if m <= 16 else DEEP_SMALL
+    grid = DECODE if m <= 16 else SMALL if m <= 64 else LARGE
+    extra = DEEP_DECODE if m <= 16 else DEEP_SMALL if m <= 64 else []
     grid = {"": grid, "add": grid + extra, "only": extra}[deep or ""]
     for bm, bn, w, st, u, pf, r in grid:
         out += [("fused", dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=sk, U=u, PF=pf, num_warps=w, num_stages=st,
                                maxnreg=r))
-                for sk in splits(SPLITS, -(-n // bn) * -(-m // bm)) if sk == 1 or nblk // u >= 2 * sk]
+                for sk in (splits(SPLITS, -(-n // bn) * -(-m // bm)) if m <= 64 else (1,))
+                if sk == 1 or nblk // u >= 2 * sk]
     if m == 1 and deep != "only":
         out += [("gemv", dict(BLOCK_N=bn, SPLIT_K=sk, PF=pf, num_warps=w, num_stages=st))
                 for bn, w, st, pf in GEMV for sk in splits(GEMV_SPLITS, -(-n // bn)) if nblk >= 2 * sk]
@@ -95,6 +101,8 @@ def main() -> None:
             ref = reference.wna16_mm(x, case.w4)
             case.setup_tinygemm(x, ref)
             base = {"bf16": bench(graphed(lambda: F.linear(x, case.w)))}
+            if m > 64:
+                base["dequant"] = bench(graphed(lambda: wna16_matmul(x, case.w4, impl="dequant")))
             if case.tiny is not None:
                 packed, sz = case.tiny
                 base["tinygemm"] = bench(graphed(
