@@ -14,6 +14,7 @@ from typing import Callable
 from quantlab import stages
 from quantlab.context import RunContext
 from quantlab.data.sources import check_source
+from quantlab.export.registry import keeps_folded_weights
 from quantlab.models.sources import check_model_id
 from quantlab.recipe import Recipe, verify_dataset
 from quantlab.rundir import content_key
@@ -51,7 +52,9 @@ def build_plan(recipe: Recipe) -> list[Stage]:
         plan.append(Stage("evaluate_float", content_key("ppl", model, ppl_params), (stages.PPL_FLOAT,),
                           stages.evaluate_float))
     stage_params = [e.model_dump(mode="json", exclude_none=True) for e in recipe.stages]
-    quant_key = content_key("quantize", model, calib_key, stage_params, recipe.seed)
+    # a K-quant export needs the float weights before rounding, which only the quantize stage has
+    folded = ["keep folded weights"] if keeps_folded_weights(recipe.export) else []
+    quant_key = content_key("quantize", model, calib_key, stage_params, recipe.seed, *folded)
     plan.append(Stage("quantize", quant_key, (stages.QUANTIZED,), stages.quantize))
     if recipe.export:
         formats = list(dict.fromkeys(recipe.export))

@@ -16,6 +16,7 @@ from quantlab.context import RunContext
 from quantlab.data import sampling, sources as data_sources
 from quantlab.engine.sequential import run_sequential
 from quantlab.eval.perplexity import perplexity
+from quantlab.export.registry import keeps_folded_weights
 from quantlab.models.arch import arch_spec_for
 from quantlab.progress import console, step
 from quantlab.algorithms.act_ranges import ActRanges, canonical_entries
@@ -65,8 +66,10 @@ def quantize(ctx: RunContext) -> None:
     ids = calibration_ids(ctx)
     start = time.perf_counter()
     scales: dict[str, torch.Tensor] = {}
+    folded = {} if keeps_folded_weights(ctx.recipe.export) else None
     with step(f"quantize ({' → '.join(e.kind for e in ctx.recipe.stages)})", len(spec.decoder_layers(model))) as update:
-        quantized = run_sequential(model, spec, ids, algorithms, ctx.device, on_layer=update, scales=scales)
+        quantized = run_sequential(model, spec, ids, algorithms, ctx.device, on_layer=update, scales=scales,
+                                   folded=folded)
     seconds = time.perf_counter() - start
     extra = {"stages": [e.dump() for e in ctx.recipe.stages],
              "quantize_seconds": round(seconds, 2), "source_model": ctx.recipe.model.id}
@@ -74,7 +77,7 @@ def quantize(ctx: RunContext) -> None:
     extra.update(canonical_entries(ranges, scales))
     extra.update({f"{type(a).__name__.lower()}_summary": a.summary() for a in algorithms if hasattr(a, "summary")})
     target = ctx.run.resolve(QUANTIZED)
-    save_canonical(target, model, quantized, ctx.tokenizer, extra, scales=scales)
+    save_canonical(target, model, quantized, ctx.tokenizer, extra, scales=scales, folded=folded)
     console.print(f"quantize: {len(quantized)} Linears in {seconds:.1f} s")
     if ranges is not None:
         _write_scale_tables(target, model, extra, quantized, scales)

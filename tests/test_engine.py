@@ -138,3 +138,28 @@ def test_data_free_stages_run_no_calibration_forward() -> None:
     assert set(quantized) == set(expected)
     for name, qw in quantized.items():
         assert torch.equal(qw.codes, expected[name].codes) and torch.equal(qw.scales, expected[name].scales)
+
+
+@pytest.mark.parametrize("stages", ["gptq", "awq+gptq"])
+def test_folded_weights_are_what_the_winning_stage_rounded(stages: str) -> None:
+    """`folded` gets the float weights the codes were rounded from: GPTQ writes its rounding
+    into the weights as it goes, so the engine keeps what GPTQ started from — the original
+    weights alone, AWQ's rescaled ones after AWQ — never the rounded ones."""
+    from quantlab.algorithms.awq import AWQ
+    from quantlab.algorithms.gptq import GPTQ
+
+    model = tiny_model("llama")
+    original = decoder_linears(model)
+    algorithms = ([AWQ(SCHEME)] if stages.startswith("awq") else []) + [GPTQ(SCHEME)]
+    folded: dict[str, torch.Tensor] = {}
+    quantized = run_sequential(model, arch_spec_for(model), ids(4), algorithms, CPU, batch_size=2, folded=folded)
+    assert set(folded) == set(quantized)
+    for name, qw in quantized.items():
+        w, rounded = folded[name].float(), qw.dequantize()
+        assert float((w - rounded).norm() / w.norm()) > 1e-2, name  # not the rounded weight
+        if stages == "gptq":
+            assert torch.equal(folded[name], original[name].half()), name
+        # the codes are a 4-bit rounding of it (GPTQ's compensation moves codes a little)
+        assert float((w - rounded).norm() / w.norm()) < 0.2, name
+    if stages == "awq+gptq":  # AWQ rescaled some inputs: those weights are not the original ones
+        assert any(not torch.equal(folded[n], original[n].half()) for n in quantized)

@@ -104,6 +104,30 @@ def test_gguf_k_quant_through_llama_cpp_quantizer(tmp_path, tokenizer, model_typ
     assert float((q.flip(0) - want).norm() / want.norm()) > 1.0
 
 
+def test_gguf_k_quant_rounds_the_folded_weights_once(tmp_path, tokenizer):
+    """With the float weights kept (`folded.safetensors`), llama.cpp quantizes them, not the
+    dequantized 4-bit codes: the decoded GGUF sits nearer the float weight than the codes do."""
+    pytest.importorskip("gguf")
+    from quantlab.export import gguf_file
+    from quantlab.export.source import read_sidecar
+    from quantlab.quant.canonical import load_folded
+
+    canonical = make_canonical(tmp_path, tokenizer, "llama", SYM, folded=True, hidden_size=256,
+                               intermediate_size=512)
+    out = tmp_path / "gguf"
+    report = api.export(canonical, out, "gguf-q4_k_m")
+    assert report.ok, report.failures()
+    modules = read_sidecar(out)["modules"]
+    assert len(modules) == 14 and all("folded" in m["encoding"] for m in modules.values())
+    floats, _ = gguf_file.read(out)
+    folded, codes = load_folded(canonical), load_canonical(canonical)[1]
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+        got, want = floats[f"{name}.weight"], folded[name].float()
+        once = float((got - want).norm() / want.norm())
+        twice = float((got - codes[name].dequantize()).norm() / want.norm())
+        assert once < gguf_file.K_QUANT_TOLERANCE["q4_k_m"] and once < twice
+
+
 # ----------------------------------------------------------------------------- compressed-tensors
 
 

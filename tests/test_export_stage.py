@@ -20,6 +20,23 @@ def raw(model_dir, run_dir, export):
             "export": export, "output": {"dir": str(run_dir)}}
 
 
+def test_k_quant_export_keeps_the_float_weights(tiny_model_dir, tmp_path):
+    """Listing a llama.cpp K-quant makes the quantize stage keep each Linear's float weight
+    before rounding (a new quantize key), and the GGUF is quantized from those."""
+    run_dir = tmp_path / "run"
+    plain = validate_recipe(raw(tiny_model_dir, run_dir, ["gguf-q4_0"]))
+    recipe = validate_recipe(raw(tiny_model_dir, run_dir, ["gguf-q4_0", "gguf-q4_k_m"]))
+    assert {s.name: s.key for s in build_plan(recipe)}["quantize"] != \
+        {s.name: s.key for s in build_plan(plain)}["quantize"]
+    run_recipe(recipe)
+    assert (run_dir / "quantized" / "folded.safetensors").is_file()
+    assert api.inspect(run_dir / "export" / "gguf-q4_k_m").ok
+    side = json.loads((run_dir / "export" / "gguf-q4_k_m" / "quantlab_export.json").read_text())
+    assert all("folded" in m["encoding"] for m in side["modules"].values())
+    side_q4 = json.loads((run_dir / "export" / "gguf-q4_0" / "quantlab_export.json").read_text())
+    assert all(m["encoding"] == "transcoded" for m in side_q4["modules"].values())
+
+
 def test_export_stage_writes_each_format(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     recipe = validate_recipe(raw(tiny_model_dir, run_dir, ["gptq", "gguf-q4_0"]))

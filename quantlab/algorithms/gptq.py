@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import ClassVar, Iterator
 
 import torch
 
@@ -355,6 +355,9 @@ def shared_inputs(ctx: LayerContext, names: list[str]) -> list[list[str]]:
 
 @dataclass
 class GPTQ:
+    # writes each Linear's rounding into its weight as it goes (later Linears of the layer see
+    # it): the engine reads the weights GPTQ started from as the float weights before rounding
+    rounds_in_place: ClassVar[bool] = True
     scheme: WeightScheme
     damp_percent: float = 0.01
     block_size: int = 128

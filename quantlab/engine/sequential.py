@@ -60,7 +60,9 @@ class LayerAlgorithm(Protocol):
     `apply` may observe the layer (through `ctx.forward()`), change its float parameters
     (AWQ/SmoothQuant scale folding) and return canonical codes for some of its Linears.
     An algorithm with a true `data_free` attribute (RTN) never looks at activations; when
-    every algorithm is data-free the engine runs no calibration forward at all.
+    every algorithm is data-free the engine runs no calibration forward at all. One with a true
+    `rounds_in_place` (GPTQ) writes its rounding into the weights as it goes, so the float
+    weights it rounded are the ones it started from.
     """
 
     def apply(self, ctx: LayerContext) -> dict[str, QuantizedWeight]: ...
@@ -136,9 +138,12 @@ def run_sequential(
     batch_size: int = 8,
     on_layer: Callable[[int, int], None] | None = None,
     scales: dict[str, torch.Tensor] | None = None,
+    folded: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, QuantizedWeight]:
     """Quantize every decoder layer in order; returns canonical codes keyed by full Linear name.
-    Ranges the algorithms put in `ctx.scales` are added to `scales` (if given) under full names."""
+    Ranges the algorithms put in `ctx.scales` are added to `scales` (if given) under full names;
+    `folded` (if given) receives each quantized Linear's float weight as the stage whose codes
+    won rounded it (scales folded, clipped), in fp16 on the CPU."""
     observe = not all(getattr(algorithm, "data_free", False) for algorithm in algorithms)
     batches = capture_layer0_inputs(model, spec, input_ids, batch_size, device) if observe else []
     layers = spec.decoder_layers(model)
@@ -147,10 +152,19 @@ def run_sequential(
         layer.to(device)
         batches = [Batch(b.hidden.to(device), _to(b.kwargs, device)) for b in batches]
         ctx = LayerContext(index, f"{spec.layers}.{index}", layer, spec, batches, device)
+        rounded_from: dict[str, torch.Tensor] = {}
         for algorithm in algorithms:
-            ctx.quantized.update(algorithm.apply(ctx))
+            before = _linear_weights(layer) if folded is not None and \
+                getattr(algorithm, "rounds_in_place", False) else None
+            codes = algorithm.apply(ctx)
+            if folded is not None:
+                now = before if before is not None else _linear_weights(layer)
+                rounded_from.update({name: now[name] for name in codes})
+            ctx.quantized.update(codes)
         # Write the codes back only once every stage ran (a later stage's codes win): a stage
         # after AWQ (rtn, gptq) must re-encode AWQ's rescaled float weights, not its rounding.
+        if folded is not None:
+            folded.update({f"{ctx.prefix}.{name}": rounded_from[name] for name in ctx.quantized})
         for name, qw in ctx.quantized.items():
             ctx.linear(name).weight.data.copy_(qw.dequantize().to(ctx.linear(name).weight.dtype))
         if observe:
@@ -162,6 +176,10 @@ def run_sequential(
         if on_layer:
             on_layer(index + 1, len(layers))
     return quantized
+
+
+def _linear_weights(layer: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: m.weight.detach().half().cpu() for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
 
 
 def _cpu(qw: QuantizedWeight) -> QuantizedWeight:

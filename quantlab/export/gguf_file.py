@@ -240,32 +240,41 @@ def write(src: Canonical, tmp: Path, final: Path, qtype: str = "q8_0") -> None:
     if qtype in K_QUANTS:
         from quantlab.export.engine_check import llama_quantize
 
-        _note_double_rounding(src, qtype)
+        folded = _k_quant_input(src, qtype)
         f16 = tmp / "model-F16.partial.gguf"
-        modules = _write_file(src, f16, "f16")
+        modules = _write_file(src, f16, "f16", folded)
         llama_quantize(f16, tmp / fname, qtype)
         f16.unlink()
-        modules = {m: {**info, "type": qtype.upper(), "encoding": "llama.cpp quantizer"} for m, info in modules.items()}
+        how = "llama.cpp quantizer of the " + ("folded float weights" if folded else "dequantized codes")
+        modules = {m: {**info, "type": qtype.upper(), "encoding": how} for m, info in modules.items()}
     else:
         modules = _write_file(src, tmp / fname, qtype)
     write_sidecar(src, final, tmp, f"gguf-{qtype}", {"type": qtype}, modules=modules,
                   extra={"file": fname, "permuted_qk": ARCHS[src.model_type]})
 
 
-def _note_double_rounding(src: Canonical, qtype: str) -> None:
-    """K-quants round again what a 4-bit run already rounded: on SmolLM2 an AWQ+GPTQ g32 run's
-    Q4_K_M scored 34.36 against llama.cpp's Q4_K_M of the float model at 30.67
-    (benchmarks/results/export_engines.md), while its Q4_0 carries the codes exactly."""
+def _k_quant_input(src: Canonical, qtype: str) -> bool:
+    """Whether llama.cpp quantizes the run's folded float weights (kept when the recipe asked for
+    a K-quant: AWQ / SmoothQuant folds and clipping carry over, GPTQ's error compensation does
+    not) or, without them, the dequantized codes — a second rounding of a 4-bit run: on
+    SmolLM2 an AWQ+GPTQ g32 run's Q4_K_M scored 31.31 from the kept weights and 34.36 from the
+    codes, against llama.cpp's Q4_K_M of the float model at 30.67
+    (benchmarks/results/export_engines.md)."""
+    if src.quantized and set(src.quantized) <= set(src.folded):
+        return True
     low = sorted({qw.scheme.bits for qw in src.quantized.values() if qw.scheme.bits < 8})
     if low:
         from quantlab.progress import console
 
         console.print(f"{NAME}: {qtype} re-quantizes this run's {'/'.join(map(str, low))}-bit codes (a second "
-                      "rounding); gguf-q4_0 / gguf-q4_1 carry 4-bit codes exactly")
+                      f"rounding); list {qtype} in the recipe's export to keep the float weights, or use "
+                      "gguf-q4_0 / gguf-q4_1, which carry 4-bit codes exactly")
+    return False
 
 
-def _write_file(src: Canonical, file: Path, qtype: str) -> dict[str, Any]:
-    """One GGUF file of type `qtype`; returns the sidecar's per-Linear record."""
+def _write_file(src: Canonical, file: Path, qtype: str, folded: bool = False) -> dict[str, Any]:
+    """One GGUF file of type `qtype`; returns the sidecar's per-Linear record. `folded`: the
+    quantized Linears as their float weights before rounding (`src.folded`)."""
     import gguf
 
     _, file_type = _types()[qtype]
@@ -281,7 +290,7 @@ def _write_file(src: Canonical, file: Path, qtype: str) -> dict[str, Any]:
         module = hf_name.rsplit(".", 1)[0]
         heads = qk_heads(hf_name, config) if permute else None
         qw = src.quantized.get(module) if hf_name.endswith(".weight") else None
-        data, gtype, how = _encode_tensor(src, hf_name, qw, qtype, heads)
+        data, gtype, how = _encode_tensor(src, hf_name, None if folded else qw, qtype, heads)
         writer.add_tensor(gguf_name(tmap, hf_name), data, raw_dtype=gtype)
         if qw is not None:
             modules[module] = {"tensor": gguf_name(tmap, hf_name), "type": gtype.name, "encoding": how}
@@ -311,7 +320,9 @@ def _encode_tensor(src: Canonical, hf_name: str, qw: QuantizedWeight | None, qty
             return raw, _types()[qtype][0], "transcoded"
         data, gtype = encode(qw.dequantize().numpy(), qtype, float_tensor=False)
         return data, gtype, "requantized" if gtype != gguf.GGMLQuantizationType.F16 else "f16"
-    t = src.tensors[hf_name].float()
+    module = hf_name.rsplit(".", 1)[0]
+    folded = hf_name.endswith(".weight") and module in src.quantized
+    t = (src.folded[module] if folded else src.tensors[hf_name]).float()
     if heads is not None:
         t = t[permute_rows(t.shape[0], heads)]
     data, gtype = encode(t.numpy(), qtype, float_tensor=True)
@@ -472,7 +483,7 @@ def check_against_source(report: Report, path: Path, reader: Any, src: Canonical
         if not report.check("present", module, qw is not None and got is not None, "missing in source or file"):
             continue
         if qtype in K_QUANTS:
-            want = qw.dequantize().float()
+            want = src.folded[module].float() if "folded" in info["encoding"] else qw.dequantize().float()
             rel = float((got - want).norm() / want.norm().clamp(min=1e-30))
             report.check("decoded weights", module, rel <= K_QUANT_TOLERANCE[qtype],
                          f"{100 * rel:.1f} % from the canonical weight (llama.cpp {qtype} stays within "

@@ -67,6 +67,13 @@ class Canonical:
         return bool(self.config.get("tie_word_embeddings", False))
 
     @cached_property
+    def folded(self) -> dict[str, torch.Tensor]:
+        """The float weights before rounding (`folded.safetensors`), for requantizing formats."""
+        from quantlab.quant.canonical import load_folded
+
+        return load_folded(self.path)
+
+    @cached_property
     def scheme(self) -> WeightScheme:
         """The one scheme of every quantized Linear (formats with a single config need it)."""
         schemes = {qw.scheme for qw in self.quantized.values()}

@@ -27,6 +27,10 @@ A directory holding
         per-channel absmax of the input and output of every Linear of the ArchSpec (written by
         `act_ranges`; informational: nothing dequantizes with them, but smoothing-aware
         exporters and analysis can, and k_proj/v_proj outputs give pre-RoPE per-head ranges);
+  * `folded.safetensors` (only when the recipe exports a llama.cpp K-quant): `N.weight` for
+    every quantized Linear `N` as fp16, the float weight the quantizer rounded (after AWQ /
+    SmoothQuant scale folding and AWQ clipping), so llama.cpp's quantizer rounds it once
+    instead of re-rounding the codes;
   * the model's `config.json`, generation config and tokenizer files, so the directory is
     self-contained.
 """
@@ -49,6 +53,7 @@ from quantlab.rundir import atomic_path
 FORMAT = "quantlab.canonical/1"
 QUANT_FIELDS = ("weight_packed", "weight_scale", "weight_zero_point", "g_idx")
 SCALES_FILE = "scales.safetensors"
+FOLDED_FILE = "folded.safetensors"
 
 
 def input_absmax_key(linear: str) -> str:
@@ -66,9 +71,11 @@ def kv_absmax_keys(attention: str) -> tuple[str, str]:
 def save_canonical(
     target: Path, model: torch.nn.Module, quantized: dict[str, QuantizedWeight], tokenizer: Any,
     extra: dict[str, Any] | None = None, scales: dict[str, torch.Tensor] | None = None,
+    folded: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Write the canonical directory; `scales` (named as in the module docstring) go to
-    `scales.safetensors`, their schemes belong in `extra` (`activations`, `kv_cache`)."""
+    `scales.safetensors`, their schemes belong in `extra` (`activations`, `kv_cache`);
+    `folded` (full Linear name → float weight before rounding) to `folded.safetensors`."""
     tensors: dict[str, torch.Tensor] = {}
     seen: set[tuple[int, tuple[int, ...]]] = set()
     for name, tensor in model.state_dict().items():
@@ -99,6 +106,9 @@ def save_canonical(
         if scales:
             save_file({k: v.detach().float().cpu().contiguous() for k, v in scales.items()},
                       tmp / SCALES_FILE, metadata={"format": FORMAT})
+        if folded:
+            save_file({f"{k}.weight": v.detach().half().cpu().contiguous() for k, v in folded.items()},
+                      tmp / FOLDED_FILE, metadata={"format": FORMAT})
         model.config.save_pretrained(tmp)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
@@ -143,6 +153,12 @@ def load_scales(source: Path) -> dict[str, torch.Tensor]:
     """The calibrated activation / KV ranges (empty when the run had none)."""
     path = source / SCALES_FILE
     return load_file(path) if path.is_file() else {}
+
+
+def load_folded(source: Path) -> dict[str, torch.Tensor]:
+    """The float weights before rounding, by Linear name (empty when the run kept none)."""
+    path = source / FOLDED_FILE
+    return {k.removesuffix(".weight"): v for k, v in load_file(path).items()} if path.is_file() else {}
 
 
 def load_fake_quant_model(source: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
