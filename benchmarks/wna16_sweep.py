@@ -54,11 +54,11 @@ def configs(m: int, nblk: int, deep: str | None = None, n: int = 1,
             sms: int = 132) -> list[tuple[str, dict]]:
     """(impl, explicit config) pairs for a token count: the tensor-core kernel's grid, and at
     M = 1 also the GEMV's; `deep` adds DEEP_* (only those with `--deep only`). Split-K: the
-    listed powers of 2 and the kernel's whole-wave splits for this shape (WAVES)."""
-    from quantlab.kernels.triton_wna16 import WAVES
+    listed powers of 2 and the kernel's whole-wave splits for this shape."""
+    from quantlab.kernels.triton_wna16 import wave_splits
 
     def splits(listed, tiles):
-        return sorted({*listed, *(max(1, round(v * sms / tiles)) for v in WAVES)})
+        return sorted({*listed, *wave_splits(tiles, sms)})
 
     out = []
     grid = DECODE if m <= 16 else SMALL if m <= 64 else LARGE

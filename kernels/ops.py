@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
@@ -19,6 +19,7 @@ from quantlab.kernels.layout import PackedFP8, PackedW8A8, PackedWNA16
 _TRITON = importlib.util.find_spec("triton") is not None
 _CAPABILITY: dict[int, tuple[int, int]] = {}
 _SMS: dict[int, int] = {}
+T = TypeVar("T")
 
 
 def triton_installed() -> bool:
@@ -40,19 +41,26 @@ def sm_count(device: torch.device, interpreted: int) -> int:
     return _SMS[index]
 
 
-def graph_replay(fn: Callable[[], object]) -> Callable[[], None]:
-    """Run fn once on a side stream (compiles, allocates), capture one call in a CUDA graph and
-    return its replay: timing the replay excludes host launch overhead, as a decode step under
-    CUDA graphs or torch.compile would see it."""
+def capture_graph(fn: Callable[[], T], warmups: int = 1) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Run fn `warmups` times on a side stream (compiles, autotunes, allocates outside the
+    graph's pool), then capture one call; returns the graph and that call's output, which every
+    replay rewrites in place."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        fn()
+        for _ in range(warmups):
+            fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+        out = fn()
+    return graph, out
+
+
+def graph_replay(fn: Callable[[], object]) -> Callable[[], None]:
+    """fn as a CUDA-graph replay: timing it excludes host launch overhead, as a decode step under
+    CUDA graphs or torch.compile would see it."""
+    return capture_graph(fn)[0].replay
 
 
 def autotune_bench(fn: Callable[[], object], quantiles=None):

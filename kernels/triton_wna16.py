@@ -559,12 +559,17 @@ JOIN_CONFIGS = {
     + [_cfg(16, 128, sk, 4, 3, pf=False) for sk in (2, 4, 8)],
     64: [_cfg(bm, 64, sk, 4, 3, pf=False) for bm in (32, 64) for sk in (1, 2, 4, 8)],
 }
+def _gemv_meta(kw: dict) -> dict:
+    """The GEMV's meta-parameters with SPLIT_P2 (its one-load reduction's row count) for the split."""
+    return {**kw, "SPLIT_P2": triton.next_power_of_2(kw["SPLIT_K"])}
+
+
 # GEMV: 128 columns per warp, split-K over blocks (the listed powers of 2 plus the WAVES
 # splits). With whole-wave splits one- and two-warp programs are within 5% of each other on
 # the Qwen2-7B MLP shapes at M = 1 on an H200 (qwen_up: 1 warp, split 7 = 518 programs,
 # 20.5 µs; qwen_down: 2 warps, split 38, 22.2 µs; the best power of 2 22.5 and 23.4 µs;
 # benchmarks/wna16_sweep.py); four-warp ones slower.
-GEMV_CONFIGS = [triton.Config(dict(BLOCK_N=128 * w, SPLIT_K=sk, SPLIT_P2=sk, PF=pf), num_warps=w,
+GEMV_CONFIGS = [triton.Config(_gemv_meta(dict(BLOCK_N=128 * w, SPLIT_K=sk, PF=pf)), num_warps=w,
                               num_stages=1, maxnreg=r)
                 for w, regs in ((1, (None, 128)), (2, (None,))) for r in regs
                 for sk in (4, 8, 16, 32) for pf in (True, False)]
@@ -579,10 +584,15 @@ DEQUANT_BLOCK_N = 128
 WAVES = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 
 
+def wave_splits(tiles: int, sms: int) -> set[int]:
+    """The split-K that puts about W programs on each SM, for each W in WAVES."""
+    return {max(1, round(w * sms / tiles)) for w in WAVES}
+
+
 def _with_split(c: triton.Config, split: int) -> triton.Config:
     kw = dict(c.kwargs, SPLIT_K=split)
     if "SPLIT_P2" in kw:
-        kw["SPLIT_P2"] = triton.next_power_of_2(split)
+        kw = _gemv_meta(kw)
     return triton.Config(kw, num_warps=c.num_warps, num_stages=c.num_stages, maxnreg=c.maxnreg)
 
 
@@ -596,7 +606,7 @@ def _split_candidates(configs, tiles_of, sms: int, cap: int | None = None) -> li
     for c in configs:
         base = (tuple(sorted((k, v) for k, v in c.kwargs.items() if k not in ("SPLIT_K", "SPLIT_P2"))),
                 c.num_warps, c.num_stages, c.maxnreg)
-        splits = [c.kwargs["SPLIT_K"]] + [min(cap, max(1, round(w * sms / tiles_of(c)))) for w in WAVES]
+        splits = [c.kwargs["SPLIT_K"]] + sorted(min(cap, s) for s in wave_splits(tiles_of(c), sms))
         for sk in splits:
             if (base, sk) not in seen:
                 seen.add((base, sk))
@@ -715,7 +725,7 @@ def _launch_gemv(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, config: dic
     if config is None and interpret_mode():
         config = INTERPRET_CONFIGS["gemv"]
     if config is not None:
-        config = {"SPLIT_P2": triton.next_power_of_2(config["SPLIT_K"]), **config}
+        config = _gemv_meta(config)
     if config is None:
         max_split = _max_split("gemv", n, nblk, m, out.device)
     else:

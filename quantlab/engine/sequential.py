@@ -158,8 +158,8 @@ def run_sequential(
                 getattr(algorithm, "rounds_in_place", False) else None
             codes = algorithm.apply(ctx)
             if folded is not None:
-                now = before if before is not None else _linear_weights(layer)
-                rounded_from.update({name: now[name] for name in codes})
+                rounded_from.update({name: before[name] if before is not None else _half_cpu(ctx.linear(name))
+                                     for name in codes})
             ctx.quantized.update(codes)
         # Write the codes back only once every stage ran (a later stage's codes win): a stage
         # after AWQ (rtn, gptq) must re-encode AWQ's rescaled float weights, not its rounding.
@@ -178,8 +178,12 @@ def run_sequential(
     return quantized
 
 
+def _half_cpu(linear: nn.Module) -> torch.Tensor:
+    return linear.weight.detach().half().cpu()
+
+
 def _linear_weights(layer: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: m.weight.detach().half().cpu() for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
+    return {name: _half_cpu(m) for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
 
 
 def _cpu(qw: QuantizedWeight) -> QuantizedWeight:

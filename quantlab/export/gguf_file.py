@@ -29,6 +29,7 @@ import torch
 
 from quantlab.errors import UserError
 from quantlab.export.checks import Report
+from quantlab.export.registry import K_QUANTS  # through llama.cpp's quantizer
 from quantlab.export.source import Canonical, head_dim, linear_shapes, read_sidecar, sidecar_source, write_sidecar
 from quantlab.models.arch import ARCH_SPECS
 from quantlab.quant.primitives import QuantizedWeight
@@ -43,7 +44,6 @@ LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
-K_QUANTS = ("q4_k_m", "q5_k_m", "q6_k")  # through llama.cpp's quantizer
 # how far a K-quant may decode from the canonical weight (relative Frobenius error): a wrong
 # name, permutation or shape decodes ~100 % off; llama.cpp's own rounding stays well inside
 K_QUANT_TOLERANCE = {"q4_k_m": 0.15, "q5_k_m": 0.08, "q6_k": 0.04}
@@ -260,7 +260,7 @@ def _k_quant_input(src: Canonical, qtype: str) -> bool:
     SmolLM2 an AWQ+GPTQ g32 run's Q4_K_M scored 31.31 from the kept weights and 34.36 from the
     codes, against llama.cpp's Q4_K_M of the float model at 30.67
     (benchmarks/results/export_engines.md)."""
-    if src.quantized and set(src.quantized) <= set(src.folded):
+    if _has_folded(src):
         return True
     low = sorted({qw.scheme.bits for qw in src.quantized.values() if qw.scheme.bits < 8})
     if low:
@@ -270,6 +270,10 @@ def _k_quant_input(src: Canonical, qtype: str) -> bool:
                       f"rounding); list {qtype} in the recipe's export to keep the float weights, or use "
                       "gguf-q4_0 / gguf-q4_1, which carry 4-bit codes exactly")
     return False
+
+
+def _has_folded(src: Canonical) -> bool:
+    return bool(src.quantized) and set(src.quantized) <= set(src.folded)
 
 
 def _write_file(src: Canonical, file: Path, qtype: str, folded: bool = False) -> dict[str, Any]:
@@ -477,13 +481,14 @@ def check_against_source(report: Report, path: Path, reader: Any, src: Canonical
     src = src or load_source(source)
     floats, _ = read(path, reader)
     qtype = side["options"]["type"]
-    for module, info in side["modules"].items():
+    from_folded = qtype in K_QUANTS and _has_folded(src)  # what llama.cpp was given (`write`)
+    for module in side["modules"]:
         qw = src.quantized.get(module)
         got = floats.get(f"{module}.weight")
         if not report.check("present", module, qw is not None and got is not None, "missing in source or file"):
             continue
         if qtype in K_QUANTS:
-            want = src.folded[module].float() if "folded" in info["encoding"] else qw.dequantize().float()
+            want = src.folded[module].float() if from_folded else qw.dequantize().float()
             rel = float((got - want).norm() / want.norm().clamp(min=1e-30))
             report.check("decoded weights", module, rel <= K_QUANT_TOLERANCE[qtype],
                          f"{100 * rel:.1f} % from the canonical weight (llama.cpp {qtype} stays within "

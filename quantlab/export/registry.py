@@ -10,13 +10,13 @@ from typing import Any, Literal, get_args
 ExportFormat = Literal["awq", "gptq", "compressed-tensors", "gguf-f16", "gguf-q8_0", "gguf-q4_0", "gguf-q4_1",
                        "gguf-q4_k_m", "gguf-q5_k_m", "gguf-q6_k", "trtllm", "paddlenlp"]
 FORMATS: tuple[str, ...] = get_args(ExportFormat)
-# Formats requantized by llama.cpp's own quantizer: they read the float weights before rounding
-# (`folded.safetensors` of the canonical form), which the quantize stage then keeps.
-NEEDS_FOLDED_WEIGHTS = ("gguf-q4_k_m", "gguf-q5_k_m", "gguf-q6_k")
+# GGUF types written through llama.cpp's own quantizer: they read the float weights before
+# rounding (`folded.safetensors` of the canonical form), which the quantize stage then keeps.
+K_QUANTS = ("q4_k_m", "q5_k_m", "q6_k")
 
 
 def keeps_folded_weights(formats: list[str]) -> bool:
-    return any(fmt in NEEDS_FOLDED_WEIGHTS for fmt in formats)
+    return any(fmt.removeprefix("gguf-") in K_QUANTS for fmt in formats if fmt.startswith("gguf-"))
 
 _MODULES = {"awq": "awq", "gptq": "gptq", "compressed-tensors": "compressed_tensors", "trtllm": "trtllm",
             "paddlenlp": "paddlenlp", "gguf": "gguf_file"}

@@ -24,6 +24,7 @@ from typing import Callable, Literal, Sequence
 
 import torch
 
+from quantlab.kernels.ops import capture_graph
 from quantlab.runner.model import Transformer
 
 DecodeMode = Literal["auto", "eager", "graphs", "compile"]
@@ -125,15 +126,7 @@ class DecodeStep:
     def _capture(self) -> None:
         """Warm up (autotuning, allocator) on a side stream, then record one step. Warm-up and
         capture write K/V at this step's position, which the real replay rewrites."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._forward()
-        torch.cuda.current_stream().wait_stream(side)
-        self._graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self._graph):
-            self._logits = self._forward()
+        self._graph, self._logits = capture_graph(self._forward, warmups=2)
 
 
 def decode_step(model: Transformer, mode: DecodeMode = "auto") -> DecodeStep:

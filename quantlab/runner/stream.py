@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, get_args
 
 import torch
 
@@ -50,15 +50,15 @@ def run_generate(path: Path, prompt: str, max_new_tokens: int = 64, temperature:
     from transformers import AutoTokenizer
 
     from quantlab.context import pick_device
-    from quantlab.runner.generate import generate
+    from quantlab.runner.generate import DecodeMode, generate
     from quantlab.runner.load import load_runner, model_dir
 
     check_args(prompt, max_new_tokens, temperature, top_k)
     if device not in ("auto", "cpu", "cuda"):
         raise UserError(f"--device: got {device!r}; one of auto, cpu, cuda")
     dev = pick_device(device)
-    if decode not in ("auto", "eager", "graphs", "compile"):
-        raise UserError(f"--decode: got {decode!r}; one of auto, eager, graphs, compile")
+    if decode not in get_args(DecodeMode):
+        raise UserError(f"--decode: got {decode!r}; one of {', '.join(get_args(DecodeMode))}")
     if decode == "graphs" and dev.type != "cuda":
         raise UserError(f"--decode graphs needs a CUDA device; the model runs on {dev.type}")
     source = model_dir(Path(path))
