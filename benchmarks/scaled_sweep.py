@@ -29,9 +29,14 @@ TILES = [(64, 64, 256, 4, 3), (64, 128, 256, 4, 3), (128, 64, 128, 8, 4),
 GROUPS = (4, 8, 16)
 
 
-def candidates() -> list[dict]:
+def candidates(tiles=TILES) -> list[dict]:
     return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, GROUP_M=g, PERSISTENT=p)
-            for (bm, bn, bk, w, st), g, p in itertools.product(TILES, GROUPS, (False, True))]
+            for (bm, bn, bk, w, st), g, p in itertools.product(tiles, GROUPS, (False, True))]
+
+
+def parse_tiles(text: str) -> list[tuple[int, ...]]:
+    """`128x256x128x8x3,...` (BLOCK_M x BLOCK_N x BLOCK_K x warps x stages); empty: TILES."""
+    return [tuple(int(v) for v in t.split("x")) for t in text.split(",")] if text else TILES
 
 
 def main() -> None:
@@ -41,6 +46,7 @@ def main() -> None:
     ap.add_argument("--kinds", default="fp8,int8")
     ap.add_argument("--top", type=int, default=4)
     ap.add_argument("--out", default="")
+    ap.add_argument("--tiles", default="", help="tiles to sweep (default: TILES), see parse_tiles")
     args = ap.parse_args()
     _import_kernels()
     from quantlab.kernels import layout, reference
@@ -69,7 +75,7 @@ def main() -> None:
             ref = reference.w8a8_mm(xq, sx, p, torch.bfloat16)
             base = bench(graphed(lambda: torch._int_mm(xq, qw.t())))
         rows = []
-        for cfg in candidates():
+        for cfg in candidates(parse_tiles(args.tiles)):
             try:
                 err = float((run(cfg).float() - ref.float()).norm() / ref.float().norm())
                 t = bench(graphed(lambda: run(cfg)))

@@ -3,7 +3,8 @@
 A stage's key hashes exactly what its outputs depend on (the keys of the stages it reads plus
 its own parameters), so a resumed run skips finished stages and a changed parameter reruns
 only what depends on it: a new evaluation window count reuses the quantized model, a new
-group size reuses the calibration set and the float baseline.
+group size reuses the calibration set and the float baseline. The stages that read no other
+stage also hash quantlab's source (`rundir.code_fingerprint`), so other code reruns them all.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from quantlab.data.sources import check_source
 from quantlab.export.registry import keeps_folded_weights
 from quantlab.models.sources import check_model_id
 from quantlab.recipe import Recipe, verify_dataset
-from quantlab.rundir import content_key
+from quantlab.rundir import code_fingerprint, content_key
 
 
 @dataclass(frozen=True)
@@ -41,20 +42,22 @@ def preflight(recipe: Recipe) -> None:
 
 def build_plan(recipe: Recipe) -> list[Stage]:
     model = recipe.model.model_dump(mode="json")
+    code = code_fingerprint()
     plan: list[Stage] = []
     calib_key = "none"
     if recipe.calibration:
-        calib_key = content_key("calibration", model, recipe.calibration.model_dump(mode="json"), recipe.seed)
+        calib_key = content_key("calibration", code, model, recipe.calibration.model_dump(mode="json"),
+                                recipe.seed)
         plan.append(Stage("calibration", calib_key, (stages.CALIB_TOKENS, stages.CALIB_INFO), stages.calibrate))
     ppl = recipe.evaluate.perplexity
     ppl_params = ppl.model_dump(mode="json", exclude={"baseline"}) if ppl else None
     if ppl and ppl.baseline:
-        plan.append(Stage("evaluate_float", content_key("ppl", model, ppl_params), (stages.PPL_FLOAT,),
+        plan.append(Stage("evaluate_float", content_key("ppl", code, model, ppl_params), (stages.PPL_FLOAT,),
                           stages.evaluate_float))
     stage_params = [e.model_dump(mode="json", exclude_none=True) for e in recipe.stages]
     # a K-quant export needs the float weights before rounding, which only the quantize stage has
     folded = ["keep folded weights"] if keeps_folded_weights(recipe.export) else []
-    quant_key = content_key("quantize", model, calib_key, stage_params, recipe.seed, *folded)
+    quant_key = content_key("quantize", code, model, calib_key, stage_params, recipe.seed, *folded)
     plan.append(Stage("quantize", quant_key, (stages.QUANTIZED,), stages.quantize))
     if recipe.export:
         formats = list(dict.fromkeys(recipe.export))

@@ -9,7 +9,9 @@ under a temporary name and renamed when complete, so a reader never sees half an
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import importlib.util
 import json
 import os
 import platform
@@ -27,6 +29,38 @@ def content_key(*parts: Any) -> str:
     """A stable hash of JSON-serialisable parts: the identity of a stage's inputs."""
     blob = json.dumps(parts, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+# The packages whose code decides what a stage writes (quantlab.kernels and the calibration
+# presets live outside quantlab/ in a checkout, inside it once installed).
+CODE_PACKAGES = ("quantlab", "quantlab.kernels", "quantlab.calib_data")
+
+
+def code_fingerprint(dirs: tuple[Path, ...] | None = None) -> str:
+    """A hash of quantlab's own source (`*.py` and `*.yaml` under CODE_PACKAGES, or `dirs`).
+
+    Stage keys include it, so a run directory made by other code is redone rather than reused:
+    recipe parameters alone cannot tell that a changed algorithm would write different
+    weights. Installing another quantlab version, or editing a checkout, reruns every stage."""
+    return _fingerprint(tuple(dirs) if dirs is not None else _package_dirs())
+
+
+def _package_dirs() -> tuple[Path, ...]:
+    out = []
+    for name in CODE_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        out += [Path(d) for d in (spec.submodule_search_locations or [])] if spec else []
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=8)
+def _fingerprint(dirs: tuple[Path, ...]) -> str:
+    files = sorted({f.resolve() for d in dirs for pattern in ("*.py", "*.yaml")
+                    for f in Path(d).rglob(pattern) if "__pycache__" not in f.parts})
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
 
 
 def file_sha256(path: Path) -> str:
@@ -120,7 +154,7 @@ class RunDir:
 def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
-    out = {"python": platform.python_version()}
+    out = {"python": platform.python_version(), "quantlab code": code_fingerprint()}
     for pkg in ("quantlab", "torch", "transformers", "safetensors", "datasets", "gguf"):
         try:
             out[pkg] = version(pkg)

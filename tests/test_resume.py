@@ -183,3 +183,33 @@ def test_too_little_evaluation_data_is_a_one_line_user_error(tiny_model_dir, dat
     assert result.stderr.strip().splitlines()[-1].startswith("error: evaluate.perplexity.seq_len: ")
     assert "Traceback" not in result.output
     assert not (tmp_path / "run").exists()  # failed in the first stage: nothing to resume
+
+
+def test_other_code_reruns_every_stage(tiny_model_dir, data_files, tmp_path, monkeypatch) -> None:
+    """A run directory made by other quantlab code is redone, not reused (stage keys hash the
+    source as well as the recipe)."""
+    import quantlab.plan as plan_module
+
+    recipe = validate_recipe(raw_recipe(tiny_model_dir, data_files, tmp_path / "run"))
+    keys = {s.name: s.key for s in build_plan(recipe)}
+    assert keys == {s.name: s.key for s in build_plan(recipe)}  # stable for the same code
+    monkeypatch.setattr(plan_module, "code_fingerprint", lambda: "0123456789abcdef")
+    other = {s.name: s.key for s in build_plan(recipe)}
+    assert all(other[name] != keys[name] for name in ALL_STAGES)
+
+
+def test_code_fingerprint_follows_the_source(tmp_path) -> None:
+    from quantlab.rundir import _fingerprint, code_fingerprint
+
+    pkg = tmp_path / "pkg"
+    (pkg / "__pycache__").mkdir(parents=True)
+    (pkg / "a.py").write_text("X = 1\n")
+    first = code_fingerprint((pkg,))
+    (pkg / "__pycache__" / "a.cpython-312.pyc").write_bytes(b"\0")
+    (pkg / "notes.txt").write_text("not code")
+    _fingerprint.cache_clear()
+    assert code_fingerprint((pkg,)) == first  # caches and other files do not count
+    (pkg / "a.py").write_text("X = 2\n")
+    _fingerprint.cache_clear()
+    assert code_fingerprint((pkg,)) != first
+    assert len(code_fingerprint()) == 16  # the installed quantlab, kernels included
