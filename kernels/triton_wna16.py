@@ -48,7 +48,8 @@ not overlap. The autotuner gets, per shape, the splits that fill whole waves of 
 
 Measured on an H200 (benchmarks/results/gemm_nvidia_h200.md, CUDA graphs, L2 flushed), on
 the Qwen2-7B / Llama-3-8B MLP shapes: W4A16 g128 at M = 1 2.0–2.3× bf16 cuBLAS (faster than
-torch's tinygemm), at M = 16 1.6–1.75×, at M = 64 0.9–1.1×; W8A16 at M = 1 1.6–1.7×. What
+torch's tinygemm), at M = 16 1.55–1.7×, at M = 64 0.97–1.16× (the attention shapes: 1.04–1.33× at
+M = 16, 0.83–1.03× at M = 64); W8A16 at M = 1 1.6–1.7×. What
 bounds them (Nsight Compute, benchmarks/profile_wna16.py): the GEMV is issue-bound — 4.1
 instructions per weight (LOP3, the float32 `q − z`, the FMA, and the activations' trip
 through shared memory), 255 registers, 8 warps per SM, one issued every 1.7 cycles; the
@@ -544,13 +545,22 @@ CONFIGS = {
     + [_cfg(16, bn, sk, 4, 2, pf=pf) for bn, pf in ((256, False), (64, True))
        for sk in (2, 4, 8, 16)]
     + [_cfg(16, 64, sk, 4, 2, 1) for sk in (16, 32)]  # small N: one block per program
-    # three stages: qwen_down M = 16 28.7 µs (split 9) against 30.5 autotuned without them
-    + [_cfg(16, 128, 8, 4, 3, u=u) for u in (2, 4)],
+    # three stages: qwen_down M = 16 28.7 µs (split 9) against 30.5 autotuned without them;
+    # on the K/V shapes 64 columns without prefetch (qwen_kv 10.0 µs against 12.2, llama_kv
+    # 10.4 against 12.8; bf16 10.3 and 11.2)
+    + [_cfg(16, 128, 8, 4, 3, u=u) for u in (2, 4)]
+    + [_cfg(16, bn, sk, 4, 3, u=u, pf=pf) for bn, pf in ((128, True), (64, False)) for u in (1, 2)
+       for sk in (4, 8, 16)],
     64: [_cfg(64, 128, sk, 8, 2, pf=pf) for sk in (1, 2, 4, 8) for pf in (True, False)]
     + [_cfg(64, 64, sk, 4, 3, pf=False) for sk in (1, 2, 4, 8)]
     + [_cfg(64, 256, sk, 8, 2, pf=False) for sk in (1, 2, 4)]
     # one block per iteration, 3–4 stages: 55.4 vs 62.9 µs at qwen_up M = 64 (wna16_sweep --deep)
-    + [_cfg(64, 128, 4, 8, st, u=1, pf=False) for st in (3, 4)],
+    + [_cfg(64, 128, 4, 8, st, u=1, pf=False) for st in (3, 4)]
+    # 4 warps, 3 stages, prefetch: every MLP shape 1.00–1.20× bf16 (qwen_up 46.2 against 53.4
+    # µs autotuned without them); smaller token tiles on the K/V shapes (qwen_kv 11.0 against 13.1)
+    + [_cfg(64, 128, sk, 4, 3, u=u) for u in (1, 2) for sk in (1, 2, 4, 8)]
+    + [_cfg(bm, 64, sk, 4, 3, u=2, pf=False) for bm in (16, 32) for sk in (4, 8)]
+    + [_cfg(32, 128, sk, 4, 3) for sk in (2, 4)],
 }
 # JOIN (int8 under bf16): the configs that won for the previous tile-joining int8 kernel
 # (64 columns, 16 words per iteration, 3–4 stages).
