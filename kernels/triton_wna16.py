@@ -48,9 +48,9 @@ not overlap. The autotuner gets, per shape, the splits that fill whole waves of 
 
 Measured on an H200 (benchmarks/results/gemm_nvidia_h200.md, CUDA graphs, L2 flushed), on
 the Qwen2-7B / Llama-3-8B MLP shapes: W4A16 g128 at M = 1 2.0–2.3× bf16 cuBLAS (faster than
-torch's tinygemm), at M = 16 1.55–1.7×, at M = 64 0.97–1.16× (the attention shapes: 1.04–1.33× at
-M = 16, 0.83–1.03× at M = 64); W8A16 at M = 1 1.6–1.7×. What
-bounds them (Nsight Compute, benchmarks/profile_wna16.py): the GEMV is issue-bound — 4.1
+torch's tinygemm), at M = 16 1.55–1.7×, at M = 64 0.97–1.16× (the attention shapes: 1.04–1.33×
+at M = 16, 0.83–1.03× at M = 64); W8A16 at M = 1 1.6–1.7×. What bounds them (Nsight Compute,
+benchmarks/profile_wna16.py): the GEMV is issue-bound — 4.1
 instructions per weight (LOP3, the float32 `q − z`, the FMA, and the activations' trip
 through shared memory), 255 registers, 8 warps per SM, one issued every 1.7 cycles; the
 tensor-core kernel at M = 16 waits on global loads (occupancy 25%) and at M = 64 on shared
@@ -548,9 +548,9 @@ CONFIGS = {
     # three stages: qwen_down M = 16 28.7 µs (split 9) against 30.5 autotuned without them;
     # on the K/V shapes 64 columns without prefetch (qwen_kv 10.0 µs against 12.2, llama_kv
     # 10.4 against 12.8; bf16 10.3 and 11.2)
-    + [_cfg(16, 128, 8, 4, 3, u=u) for u in (2, 4)]
     + [_cfg(16, bn, sk, 4, 3, u=u, pf=pf) for bn, pf in ((128, True), (64, False)) for u in (1, 2)
-       for sk in (4, 8, 16)],
+       for sk in (4, 8, 16)]
+    + [_cfg(16, 128, 8, 4, 3, u=4)],
     64: [_cfg(64, 128, sk, 8, 2, pf=pf) for sk in (1, 2, 4, 8) for pf in (True, False)]
     + [_cfg(64, 64, sk, 4, 3, pf=False) for sk in (1, 2, 4, 8)]
     + [_cfg(64, 256, sk, 8, 2, pf=False) for sk in (1, 2, 4)]
