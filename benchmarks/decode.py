@@ -11,7 +11,10 @@ real run's `quantized/`:
 * W8A8    — int8 per-channel weights, dynamic per-token int8 activations (int8 GEMM);
 * FP8     — e4m3 per-channel weights, dynamic per-token FP8 activations;
 * hf-bf16 — transformers `generate` (greedy, its default dynamic cache, eager), same weights
-            as the bf16 row.
+            as the bf16 row;
+* w4a16-floor (GPU only) — the W4A16 model with every decode GEMM (M ≤ 64) replaced by a
+            kernel that only reads the GEMM's bytes (read_floor.py): no W4A16 kernel can make
+            this runner decode faster.
 
 Per scheme and batch: a warm-up generation (autotuning, CUDA-graph capture), then `--repeats`
 timed ones; medians of prefill tokens/s (batch × prompt tokens / prefill time) and decode
@@ -28,6 +31,7 @@ Writes `benchmarks/results/decode_<device>.json` and `.md` (`_tiny` suffix with 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.util
 import json
@@ -51,7 +55,7 @@ QWEN2_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=1024, max_position_embeddings=4096, rope_theta=1e6,
             rms_norm_eps=1e-6, tie_word_embeddings=False)
-SCHEMES = ("hf-bf16", "bf16", "w4a16", "w8a8", "fp8")
+SCHEMES = ("hf-bf16", "bf16", "w4a16", "w8a8", "fp8", "w4a16-floor")
 BARS = [("w4a16", "bf16", 2.5), ("w4a16", "hf-bf16", 3.0)]  # decode tok/s at batch 1
 
 
@@ -202,6 +206,28 @@ def measure(model, label: str, args, device: torch.device, vocab: int, hf: bool 
     return rows
 
 
+@contextlib.contextmanager
+def gemms_read_only():
+    """Within: every W4A16 GEMM of at most DECODE_MAX_M tokens only reads its weight's bytes
+    and writes zeros (read_floor.py); prefill keeps the real kernels."""
+    from quantlab.kernels import triton_wna16
+    from read_floor import read_packed
+
+    real = triton_wna16.wna16_matmul
+
+    def read_only(x, p, impl="auto", config=None, out=None):
+        if x.shape[0] > triton_wna16.DECODE_MAX_M:
+            return real(x, p, impl, config, out)
+        out = x.new_empty(x.shape[0], p.out_features) if out is None else out
+        return read_packed(p, out)
+
+    triton_wna16.wna16_matmul = read_only
+    try:
+        yield
+    finally:
+        triton_wna16.wna16_matmul = real
+
+
 def free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -240,13 +266,19 @@ def run(args: argparse.Namespace, on_rows: Callable[[dict[str, Any]], Any] = lam
         else:
             del hf
         free(device)
-    for name in ("w4a16", "w8a8", "fp8"):
-        if name in wanted:
-            model = quantized_runner(config, name, device, dtype)
+    for name in ("w4a16", "w8a8", "fp8", "w4a16-floor"):
+        if name not in wanted:
+            continue
+        floor = name == "w4a16-floor"
+        if floor and device.type != "cuda":
+            print("  w4a16-floor: needs a CUDA GPU (Triton), skipped", flush=True)
+            continue
+        model = quantized_runner(config, name.removesuffix("-floor"), device, dtype)
+        with gemms_read_only() if floor else contextlib.nullcontext():
             rows += measure(model, name, args, device, config.vocab_size)
-            on_rows(result())
-            del model
-            free(device)
+        on_rows(result())
+        del model
+        free(device)
     return result()
 
 
@@ -302,6 +334,10 @@ def markdown(res: dict[str, Any]) -> str:
         lines.append(f"| {r['scheme']} | {r['batch']} | {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.1f} | "
                      f"{vs('bf16')} | {vs('hf-bf16')} | {r['weight_gb']:.2f} | {r['decode_weight_gb_s']:.1f} | "
                      f"{r['decode_mode']} |")
+    if any(r["scheme"] == "w4a16-floor" for r in res["rows"]):
+        lines += ["", "w4a16-floor: the W4A16 model with every decode GEMM replaced by a kernel that only "
+                  "reads the GEMM's weight bytes (benchmarks/read_floor.py) — the most any W4A16 kernel "
+                  "could give this runner."]
     if res["bars"]:
         lines += ["", "## Bars", ""]
         lines += [f"- {'met' if b['met'] else 'NOT met'}: {b['what']}: {b['ratio']:.2f}× (bar {b['bar']}×)"

@@ -155,6 +155,7 @@ def run(args) -> dict:
     from quantlab.kernels import reference
     from quantlab.kernels.triton_scaled import fp8_matmul, w8a8_matmul
     from quantlab.kernels.triton_wna16 import wna16_matmul
+    from read_floor import read_packed, read_weight_bytes
 
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.cuda.get_device_properties(0)
@@ -191,6 +192,10 @@ def run(args) -> dict:
             if case.tiny is not None:
                 packed, sz = case.tiny
                 variants["tinygemm"] = (lambda: torch.ops.aten._weight_int4pack_mm(x, packed, GROUP, sz), ref4)
+            if m == 1:  # the read floors (read_floor.py): no GEMM reading these bytes is faster
+                yr = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+                variants["read_w4a16"] = (lambda: read_packed(case.w4, yr), None)
+                variants["read_bf16"] = (lambda: read_weight_bytes(case.w, yr), None)
             if m == 1:  # both decode paths, forced (auto takes the GEMV)
                 for bits, pw in ((4, case.w4), (8, case.w8)):
                     ref = variants[f"w{bits}a16"][1]
@@ -213,7 +218,8 @@ def run(args) -> dict:
                     rec["ms_eager"] = bench(fn)
                     t = bench(graphed(fn))
                     times[kind] = t
-                    base = kind.split("_")[0] if kind.startswith(("w4a16", "w8a16")) else kind
+                    base = (kind.split("_")[0] if kind.startswith(("w4a16", "w8a16")) else
+                            kind.removeprefix("read_"))
                     nbytes = weight_bytes(base, k, n) + act_bytes(base, m, k, n)
                     rec.update(ms=t, GBps=nbytes / t / 1e6, TFLOPs=2 * m * n * k / t / 1e9,
                                bw_frac=nbytes / t / 1e6 / bw)
@@ -254,10 +260,13 @@ def bars(rows: list[dict]) -> list[str]:
 
     for shape in ("qwen_up", "qwen_down"):
         b, w, tg = t.get((shape, 1, "bf16")), t.get((shape, 1, "w4a16")), t.get((shape, 1, "tinygemm"))
+        floor = t.get((shape, 1, "read_w4a16"))
         if b and w:
             line(b / w >= 3.0 and (tg is None or w < tg),
                  f"W4A16 M=1 {shape}: {b / w:.2f}× bf16 (bar 3.0×), {w * 1e3:.1f} µs vs tinygemm "
-                 f"{tg * 1e3 if tg else float('nan'):.1f} µs")
+                 f"{tg * 1e3 if tg else float('nan'):.1f} µs" + (
+                     f"; only reading its bytes takes {floor * 1e3:.1f} µs = {b / floor:.2f}× bf16"
+                     if floor else ""))
         b, w = t.get((shape, 16, "bf16")), t.get((shape, 16, "w4a16"))
         if b and w:
             line(b / w >= 2.5, f"W4A16 M=16 {shape}: {b / w:.2f}× bf16 (bar 2.5×)")

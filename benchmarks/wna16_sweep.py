@@ -55,7 +55,7 @@ def configs(m: int, nblk: int, deep: str | None = None, n: int = 1,
     """(impl, explicit config) pairs for a token count: the tensor-core kernel's grid, and at
     M = 1 also the GEMV's; `deep` adds DEEP_* (only those with `--deep only`). Split-K: the
     listed powers of 2 and the kernel's whole-wave splits for this shape."""
-    from quantlab.kernels.triton_wna16 import wave_splits
+    from quantlab.kernels.split_k import wave_splits
 
     def splits(listed, tiles):
         return sorted({*listed, *wave_splits(tiles, sms)})

@@ -15,6 +15,8 @@ Requirements: K a multiple of 16 (TMA row strides are 16-byte aligned); contiguo
 
 from __future__ import annotations
 
+import functools
+import types
 
 import torch
 import triton
@@ -23,32 +25,14 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from quantlab.kernels.layout import PackedFP8, PackedW8A8
 from quantlab.kernels.ops import autotune_bench, interpret_mode, sm_count
+from quantlab.kernels.split_k import split_total, split_workspaces, wave_splits
 
 
 @triton.jit
-def _scaled_tile(tile, a_desc, b_desc, sa_ptr, sb_ptr, zc_ptr, rs_ptr, y_ptr, M, N, K, stride_ym,
-                 ROW_A: tl.constexpr, ROW_B: tl.constexpr, ZC: tl.constexpr, IS_INT: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr):
-    """One output tile: the K loop, then the scales (and zero correction) in the epilogue."""
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (tile // per_group) * GROUP_M
-    rows = tl.minimum(num_m - first_m, GROUP_M)
-    off_m = (first_m + (tile % per_group) % rows) * BLOCK_M
-    off_n = ((tile % per_group) // rows) * BLOCK_N
-    if IS_INT:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        a = a_desc.load([off_m, k * BLOCK_K])
-        b = b_desc.load([off_n, k * BLOCK_K])
-        if IS_INT:
-            acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
-        else:
-            acc = tl.dot(a, b.T, acc)
+def _epilogue(acc, off_m, off_n, sa_ptr, sb_ptr, zc_ptr, rs_ptr, y_ptr, M, N, stride_ym,
+              ROW_A: tl.constexpr, ROW_B: tl.constexpr, ZC: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The zero correction (int8 with asymmetric weights) and the scales, then the store."""
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
@@ -71,21 +55,66 @@ def _scaled_tile(tile, a_desc, b_desc, sa_ptr, sb_ptr, zc_ptr, rs_ptr, y_ptr, M,
 
 
 @triton.jit
-def _scaled_mm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, zc_ptr, rs_ptr, y_ptr,
-                      M, N, K, stride_ym, MB,
+def _scaled_tile(tile, pid_k, split_k, a_desc, b_desc, sa_ptr, sb_ptr, zc_ptr, rs_ptr, y_ptr,
+                 ws_ptr, cnt_ptr, M, N, K, stride_ym,
+                 ROW_A: tl.constexpr, ROW_B: tl.constexpr, ZC: tl.constexpr, IS_INT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr):
+    """One output tile (or split `pid_k` of its K loop): the K loop, then the epilogue — after
+    the last split sums the partials, when split."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (tile // per_group) * GROUP_M
+    rows = tl.minimum(num_m - first_m, GROUP_M)
+    off_m = (first_m + (tile % per_group) % rows) * BLOCK_M
+    off_n = ((tile % per_group) // rows) * BLOCK_N
+    if IS_INT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    iters = tl.cdiv(K, BLOCK_K)
+    per = tl.cdiv(iters, split_k)
+    for k in range(pid_k * per, tl.minimum(pid_k * per + per, iters)):
+        a = a_desc.load([off_m, k * BLOCK_K])
+        b = b_desc.load([off_n, k * BLOCK_K])
+        if IS_INT:
+            acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
+        else:
+            acc = tl.dot(a, b.T, acc)
+    if split_k == 1:
+        _epilogue(acc, off_m, off_n, sa_ptr, sb_ptr, zc_ptr, rs_ptr, y_ptr, M, N, stride_ym,
+                  ROW_A, ROW_B, ZC, BLOCK_M, BLOCK_N)
+    else:
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        last, total = split_total(acc, ws_ptr + offs_m[:, None] * N + offs_n[None, :], M * N, mask,
+                                  cnt_ptr, tile, pid_k, split_k)
+        if last:
+            _epilogue(total, off_m, off_n, sa_ptr, sb_ptr, zc_ptr, rs_ptr, y_ptr, M, N, stride_ym,
+                      ROW_A, ROW_B, ZC, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _scaled_mm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, zc_ptr, rs_ptr, y_ptr, ws_ptr, cnt_ptr,
+                      M, N, K, stride_ym, MB, SPLIT_K,
                       ROW_A: tl.constexpr, ROW_B: tl.constexpr, ZC: tl.constexpr,
                       IS_INT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr = False):
     """MB (the M bucket) is only the autotuning key. PERSISTENT: one program per SM walks the
-    tiles (flattened into one pipelined loop, so the next tile's loads overlap this epilogue)."""
+    tiles (flattened into one pipelined loop, so the next tile's loads overlap this epilogue;
+    no split-K). Otherwise program (tile, split)."""
     if PERSISTENT:
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
-            _scaled_tile(tile, a_desc, b_desc, sa_ptr, sb_ptr, zc_ptr, rs_ptr, y_ptr, M, N, K, stride_ym,
-                         ROW_A, ROW_B, ZC, IS_INT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+            _scaled_tile(tile, 0, 1, a_desc, b_desc, sa_ptr, sb_ptr, zc_ptr, rs_ptr, y_ptr, ws_ptr,
+                         cnt_ptr, M, N, K, stride_ym, ROW_A, ROW_B, ZC, IS_INT, BLOCK_M, BLOCK_N,
+                         BLOCK_K, GROUP_M)
     else:
-        _scaled_tile(tl.program_id(0), a_desc, b_desc, sa_ptr, sb_ptr, zc_ptr, rs_ptr, y_ptr, M, N, K,
-                     stride_ym, ROW_A, ROW_B, ZC, IS_INT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+        _scaled_tile(tl.program_id(0), tl.program_id(1), SPLIT_K, a_desc, b_desc, sa_ptr, sb_ptr,
+                     zc_ptr, rs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_ym, ROW_A, ROW_B, ZC,
+                     IS_INT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
 
 
 def _set_blocks(nargs):
@@ -94,8 +123,9 @@ def _set_blocks(nargs):
     nargs["b_desc"].block_shape = [bn, bk]
 
 
-def _cfg(bm, bn, bk, warps, stages, group_m=8, persistent=False):
-    return triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, PERSISTENT=persistent),
+def _cfg(bm, bn, bk, warps, stages, group_m=8, persistent=False, split_k=1):
+    return triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, PERSISTENT=persistent,
+                              SPLIT_K=split_k),
                          num_warps=warps, num_stages=stages, pre_hook=_set_blocks)
 
 
@@ -113,22 +143,56 @@ LARGE_M_CONFIGS += [_cfg(*c, group_m=g, persistent=True)
                                       ((256, 128, 128, 8, 4), (8,)), ((128, 128, 128, 8, 5), (4,)),
                                       ((128, 128, 128, 8, 4), (4, 8)), ((128, 128, 128, 4, 4), (4, 8)))
                     for g in groups]
+# At M ≤ 64 a weight of few column tiles (qwen_down: 56 tiles of 64 for 132 SMs, each walking
+# K = 18944) leaves SMs idle: the small-M configs also run with the K loop split so that 1–4
+# whole waves of programs fill the GPU (`split_k.wave_splits`), each split ≥ MIN_SPLIT_ITERS
+# K tiles long.
+SPLIT_WAVES = 4
+MIN_SPLIT_ITERS = 4
+
+
+def _small_m_splits(configs, named_args, **_) -> list[triton.Config]:
+    """The small-M configs, each also with its whole-wave splits of the K loop."""
+    m, n, k = named_args["M"], named_args["N"], named_args["K"]
+    sms = sm_count(named_args["y_ptr"].device, 4)
+    out = []
+    for c in configs:
+        kw = c.kwargs
+        tiles = triton.cdiv(m, kw["BLOCK_M"]) * triton.cdiv(n, kw["BLOCK_N"])
+        iters = triton.cdiv(k, kw["BLOCK_K"])
+        splits = {1} | {s for s in wave_splits(tiles, sms)
+                        if tiles * s <= SPLIT_WAVES * sms and iters >= MIN_SPLIT_ITERS * s}
+        out += [triton.Config(dict(kw, SPLIT_K=s), num_warps=c.num_warps, num_stages=c.num_stages,
+                              pre_hook=c.pre_hook) for s in sorted(splits)]
+    return out
+
+
+SMALL_M = 64  # the largest M of the small-M configs
 
 
 def _bucket(m: int) -> int:
     return min(triton.next_power_of_2(m), 8192)
 
 
-def _autotuned(configs):
+def _autotuned(configs, prune=None):
     return triton.autotune(configs=configs, key=["MB", "N", "K", "IS_INT"], do_bench=autotune_bench,
-                           cache_results=True)(_scaled_mm_kernel)
+                           cache_results=True, prune_configs_by={"early_config_prune": prune} if prune else None
+                           )(_scaled_mm_kernel)
 
 
-_SMALL = _autotuned(SMALL_M_CONFIGS)
+_SMALL = _autotuned(SMALL_M_CONFIGS, _small_m_splits)
 _LARGE = _autotuned(LARGE_M_CONFIGS)
 
 
 INTERPRET_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2)
+
+
+@functools.lru_cache(maxsize=1024)
+def _max_split(m: int, n: int, k: int, device: torch.device) -> int:
+    """The largest split the small-M autotuner may pick for a shape (sizes the workspace)."""
+    y = types.SimpleNamespace(device=device)  # the prune reads only the output's device
+    kept = _small_m_splits(SMALL_M_CONFIGS, dict(M=m, N=n, K=k, y_ptr=y))
+    return max(c.kwargs["SPLIT_K"] for c in kept)
 
 
 def _launch(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
@@ -153,20 +217,27 @@ def _launch(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor
     rs_t = rs if rs is not None else sa
     flags = dict(ROW_A=sa.numel() == m, ROW_B=sb.numel() == n, ZC=zc is not None, IS_INT=is_int)
     sms = sm_count(a.device, 4)
+    small = m <= SMALL_M
+    if config is not None:
+        max_split = config.get("SPLIT_K", 1)
+    else:
+        max_split = _max_split(m, n, k, a.device) if small else 1
+    ws, cnt = split_workspaces(a.device, m, n, max_split)
 
     def grid(meta):
         tiles = triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])
-        return (min(tiles, sms) if meta.get("PERSISTENT") else tiles,)
+        return (min(tiles, sms),) if meta.get("PERSISTENT") else (tiles, meta.get("SPLIT_K", 1))
 
-    args = (a_desc, b_desc, sa, sb, zc_t, rs_t, y, m, n, k, y.stride(0), _bucket(m))
+    args = (a_desc, b_desc, sa, sb, zc_t, rs_t, y, ws, cnt, m, n, k, y.stride(0), _bucket(m))
     if config is not None:
         meta = {kk: config[kk] for kk in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
         meta["PERSISTENT"] = bool(config.get("PERSISTENT", False))
+        meta["SPLIT_K"] = config.get("SPLIT_K", 1)
         _set_blocks({"a_desc": a_desc, "b_desc": b_desc, **meta})
         _scaled_mm_kernel[grid](*args, **flags, **meta, num_warps=config.get("num_warps", 4),
                                 num_stages=config.get("num_stages", 2))
     else:
-        (_SMALL if m <= 64 else _LARGE)[grid](*args, **flags)
+        (_SMALL if small else _LARGE)[grid](*args, **flags)
     return y
 
 

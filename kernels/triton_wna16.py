@@ -39,12 +39,9 @@ dequantizing the whole weight to the activation dtype (one pass, the same operan
 running a bf16/fp16 GEMM beats re-dequantizing every weight in every M tile (vLLM does the
 same for AWQ at ≥ 256 tokens).
 
-Split-K (SPLIT_K programs along K per output tile) writes float32 partials into a workspace;
-a counter per tile elects the last program, which sums the partials in split order
-(deterministic) and writes the output, then resets the counter — no memset per call and
-CUDA-graph replays stay correct. One workspace per device: calls on different streams must
-not overlap. The autotuner gets, per shape, the splits that fill whole waves of programs
-(`WAVES`; not only powers of 2), timed as CUDA-graph replays (`ops.autotune_bench`).
+Split-K (SPLIT_K programs along K per output tile) sums its partials deterministically
+(`split_k.py`). The autotuner gets, per shape, the splits that fill whole waves of programs
+(`split_k.WAVES`; not only powers of 2), timed as CUDA-graph replays (`ops.autotune_bench`).
 
 Measured on an H200 (benchmarks/results/gemm_nvidia_h200.md, CUDA graphs, L2 flushed), on
 the Qwen2-7B / Llama-3-8B MLP shapes: W4A16 g128 at M = 1 2.0–2.3× bf16 cuBLAS (faster than
@@ -68,6 +65,7 @@ import triton.language as tl
 
 from quantlab.kernels.layout import BLOCK_K, PackedWNA16
 from quantlab.kernels.ops import autotune_bench, interpret_mode, sm_count
+from quantlab.kernels.split_k import split_total, split_workspaces, wave_splits
 
 MAGIC32 = 0x4B000000  # float32 bits of 2^23
 
@@ -210,28 +208,15 @@ def _operand(w, d: tl.constexpr, zo, s, magic32,
 @triton.jit
 def _finish(acc, y_ptrs, ws_ptrs, MN, mask, cnt_ptr, tile, pid_k, split_k, OUT: tl.constexpr,
             ONE_LOAD: tl.constexpr = False, SPLIT_P2: tl.constexpr = 1):
-    """Store a tile, or its split-K partial; the last split to arrive sums them in order.
-    ONE_LOAD (1-D tiles; SPLIT_P2 a power of 2 ≥ split_k): the last split reads every partial
-    in one load instead of one dependent load per split."""
+    """Store a tile, or its split-K partial; the last split to arrive stores the sum
+    (`split_k.split_total`)."""
     if split_k == 1:
         tl.store(y_ptrs, acc.to(OUT), mask=mask)
     else:
-        tl.store(ws_ptrs + pid_k * MN, acc, mask=mask)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-        if arrived == split_k - 1:
-            if ONE_LOAD:
-                rows = tl.arange(0, SPLIT_P2)
-                parts = tl.load(ws_ptrs[None, :] + rows[:, None] * MN,
-                                mask=mask[None, :] & (rows < split_k)[:, None], other=0.0,
-                                cache_modifier=".cg")
-                total = tl.sum(parts, axis=0)
-            else:
-                total = tl.zeros_like(acc)
-                for i in range(split_k):
-                    total += tl.load(ws_ptrs + i * MN, mask=mask, other=0.0, cache_modifier=".cg")
+        last, total = split_total(acc, ws_ptrs, MN, mask, cnt_ptr, tile, pid_k, split_k,
+                                  ONE_LOAD, SPLIT_P2)
+        if last:
             tl.store(y_ptrs, total.to(OUT), mask=mask)
-            tl.store(cnt_ptr + tile, 0)
 
 
 @triton.jit
@@ -587,18 +572,6 @@ DECODE_MAX_M = 64  # above: dequantize + cuBLAS
 DEQUANT_BLOCK_N = 128
 
 
-# Split-K candidates added per shape: the split that puts about W programs on every SM, for
-# each W. A grid just over a whole number of resident waves runs a second, nearly empty wave
-# (Nsight Compute on the GEMV at qwen_up, 74 column tiles × split 8 = 592 programs with 528
-# resident: 1.12 waves, SMs idle 26% of the kernel), so some W lands each shape on full waves.
-WAVES = (1, 2, 3, 4, 5, 6, 8, 12, 16)
-
-
-def wave_splits(tiles: int, sms: int) -> set[int]:
-    """The split-K that puts about W programs on each SM, for each W in WAVES."""
-    return {max(1, round(w * sms / tiles)) for w in WAVES}
-
-
 def _with_split(c: triton.Config, split: int) -> triton.Config:
     kw = dict(c.kwargs, SPLIT_K=split)
     if "SPLIT_P2" in kw:
@@ -668,19 +641,6 @@ TUNERS = {
        for b, c in JOIN_CONFIGS.items()},
 }
 
-_WORKSPACE: dict[tuple, torch.Tensor] = {}
-
-
-def workspace(device: torch.device, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A buffer per device and dtype, grown on demand (the counters are zero between calls)."""
-    key = (str(device), dtype)
-    buf = _WORKSPACE.get(key)
-    if buf is None or buf.numel() < numel:
-        buf = torch.zeros(max(numel, 1 << 16), dtype=dtype, device=device)
-        _WORKSPACE[key] = buf
-    return buf
-
-
 # One small config per path for the CPU interpreter (autotuning there would run every config).
 INTERPRET_CONFIGS = {
     "gemv": dict(BLOCK_N=64, SPLIT_K=2, PF=True),
@@ -722,12 +682,6 @@ def _max_split(tuner: str, n: int, nblk: int, m: int, device: torch.device) -> i
     return max(c.kwargs["SPLIT_K"] for c in kept)
 
 
-def _split_workspaces(x, m: int, n: int, max_split: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ws = workspace(x.device, max_split * m * n if max_split > 1 else 1, torch.float32)
-    cnt = workspace(x.device, m * triton.cdiv(n, 16) + 1, torch.int32)
-    return ws, cnt
-
-
 def _launch_gemv(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, config: dict | None) -> None:
     m, k = x.shape
     n = p.out_features
@@ -740,7 +694,7 @@ def _launch_gemv(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, config: dic
         max_split = _max_split("gemv", n, nblk, m, out.device)
     else:
         max_split = config["SPLIT_K"]
-    ws, cnt = _split_workspaces(x, m, n, max_split)
+    ws, cnt = split_workspaces(x.device, m, n, max_split)
     args = (x, p.qweight, p.scales, p.zeros, out, ws, cnt, m, n, k, nblk, p.scales.shape[0],
             x.stride(0), out.stride(0), MAGIC32)
     common = dict(BITS=p.bits, GROUP=p.group_constexpr)
@@ -763,7 +717,7 @@ def _launch_fused(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, config: di
         max_split = _max_split(tuned, n, nblk, m, out.device)
     else:
         max_split = config["SPLIT_K"]
-    ws, cnt = _split_workspaces(x, m, n, max_split)
+    ws, cnt = split_workspaces(x.device, m, n, max_split)
     args = (x, p.qweight, p.scales, p.zeros, out, ws, cnt, m, n, k, nblk, p.scales.shape[0],
             x.stride(0), out.stride(0), MAGIC32, _bucket(m))
     common = dict(BITS=p.bits, GROUP=p.group_constexpr, EVEN_K=k % BLOCK_K == 0,

@@ -268,7 +268,7 @@ def test_split_k_candidates_fill_whole_waves():
 def test_wna16_split_k_counters_are_left_clean(impl, cfg):
     """The last split resets its tile counter: a second call (other data, same buffers) must be
     right too, and the counters must be zero afterwards."""
-    from quantlab.kernels import triton_wna16 as tw
+    from quantlab.kernels import split_k, triton_wna16 as tw
 
     qw = canonical(40, 384, 4, 128)
     p = layout.pack_wna16(qw, torch.float16).to(DEV)
@@ -276,7 +276,7 @@ def test_wna16_split_k_counters_are_left_clean(impl, cfg):
         x = torch.randn(2, 384, generator=torch.Generator().manual_seed(seed)).half().to(DEV)
         y = tw.wna16_matmul(x, p, impl=impl, config=cfg)
         assert rel_err(y, reference.wna16_mm(x, p)) < TOL[torch.float16]
-    assert not tw._WORKSPACE[(str(x.device), torch.int32)].any()
+    assert not split_k._WORKSPACE[(str(x.device), torch.int32)].any()
 
 
 @needs_triton
@@ -291,33 +291,66 @@ def test_wna16_act_order_kernel(m):
     assert rel_err(y.cpu(), x.float() @ qw.dequantize().t()) < 3e-3
 
 
+# How the scaled kernel walks its tiles: one program per tile, persistent programs (fewer than
+# tiles: 4 on a CPU; 6 tiles at M = 37), or the K loop (3 tiles of 32) split across programs.
+SCALED_MODES = {"tile": {}, "persistent": {"PERSISTENT": True}, "split2": {"SPLIT_K": 2},
+                "split3": {"SPLIT_K": 3}}
+
+
+def _scaled_config(mode: str) -> dict | None:
+    from quantlab.kernels.triton_scaled import INTERPRET_CONFIG
+
+    return {**INTERPRET_CONFIG, **SCALED_MODES[mode]} if SCALED_MODES[mode] else None
+
+
 @needs_triton
 @pytest.mark.parametrize("m", [1, 37])
 @pytest.mark.parametrize("symmetric", [True, False])
-@pytest.mark.parametrize("persistent", [False, True])
-def test_w8a8_kernel_matches_reference(m, symmetric, persistent):
-    """`persistent`: fewer programs than tiles (4 on a CPU; 6 tiles at M = 37), each walks several."""
-    from quantlab.kernels.triton_scaled import INTERPRET_CONFIG, w8a8_matmul
+@pytest.mark.parametrize("mode", list(SCALED_MODES))
+def test_w8a8_kernel_matches_reference(m, symmetric, mode):
+    from quantlab.kernels.triton_scaled import w8a8_matmul
 
     qw = canonical(72, 96, 8, None, symmetric)
     p = layout.pack_w8a8(qw).to(DEV)
     xq, sx = reference.quantize_act_int8(torch.randn(m, 96, device=DEV))
     out = torch.full((m, 72), float("nan"), dtype=torch.float16, device=DEV)
-    config = {**INTERPRET_CONFIG, "PERSISTENT": True} if persistent else None
-    y = w8a8_matmul(xq, sx, p, torch.float16, config=config, out=out)
+    y = w8a8_matmul(xq, sx, p, torch.float16, config=_scaled_config(mode), out=out)
     assert rel_err(y, reference.w8a8_mm(xq, sx, p, torch.float16)) < TOL[torch.float16]
+    if mode.startswith("split"):  # int32 partials sum exactly: the same bits as one program
+        assert torch.equal(y, w8a8_matmul(xq, sx, p, torch.float16))
 
 
 @needs_triton
 @pytest.mark.parametrize("per_row", [True, False])
-def test_fp8_kernel_matches_reference(per_row):
+@pytest.mark.parametrize("mode", ["tile", "split3"])
+def test_fp8_kernel_matches_reference(per_row, mode):
+    from quantlab.kernels import split_k
     from quantlab.kernels.triton_scaled import fp8_matmul
 
     p = layout.quantize_fp8_weight(torch.randn(72, 96), per_row).to(DEV)
-    xq, sx = reference.quantize_act_fp8(torch.randn(37, 96, device=DEV), per_row)
-    out = torch.full((37, 72), float("nan"), dtype=torch.bfloat16, device=DEV)
-    y = fp8_matmul(xq, sx, p, torch.bfloat16, out=out)
-    assert rel_err(y, reference.fp8_mm(xq, sx, p, torch.bfloat16)) < TOL[torch.bfloat16]
+    for seed in (0, 1):  # a second call on the same split-K buffers
+        g = torch.Generator().manual_seed(seed)
+        xq, sx = reference.quantize_act_fp8(torch.randn(37, 96, generator=g).to(DEV), per_row)
+        out = torch.full((37, 72), float("nan"), dtype=torch.bfloat16, device=DEV)
+        y = fp8_matmul(xq, sx, p, torch.bfloat16, config=_scaled_config(mode), out=out)
+        assert rel_err(y, reference.fp8_mm(xq, sx, p, torch.bfloat16)) < TOL[torch.bfloat16]
+    if mode != "tile":
+        assert not split_k._WORKSPACE[(str(xq.device), torch.int32)].any()
+
+
+@needs_triton
+def test_scaled_small_m_splits_fill_idle_sms(monkeypatch):
+    """On 132 SMs a down projection at M = 1 (K×N = 18944×3584: 56 tiles of 64 columns) gets
+    whole-wave splits of its K loop; an up projection (296 tiles) already fills the GPU and
+    is not split."""
+    from quantlab.kernels import triton_scaled as ts
+
+    monkeypatch.setattr(ts, "sm_count", lambda device, interpreted: 132)
+    y = torch.empty(0)
+    narrow = [c for c in ts._small_m_splits(ts.SMALL_M_CONFIGS[:1], dict(M=1, N=3584, K=18944, y_ptr=y))]
+    assert sorted(c.kwargs["SPLIT_K"] for c in narrow) == [1, 2, 5, 7, 9]
+    wide = ts._small_m_splits(ts.SMALL_M_CONFIGS[:1], dict(M=1, N=18944, K=3584, y_ptr=y))
+    assert [c.kwargs["SPLIT_K"] for c in wide] == [1]
 
 
 @needs_triton

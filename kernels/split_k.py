@@ -1,0 +1,85 @@
+"""Split-K for the decode-size GEMMs (`triton_wna16`, `triton_scaled`): at M ≤ 64 a weight of
+few column tiles (a down projection: 28 tiles of 128 for 132 SMs) leaves most SMs idle unless
+the K loop is split across programs. Imported lazily: needs triton.
+
+Each split writes its partial tile into a float32 workspace; a counter per output tile elects
+the last program to arrive, which sums the partials in split order (deterministic, unlike
+atomic adds) and resets the counter — no memset per call, and CUDA-graph replays stay
+correct. One workspace per device: calls on different streams must not overlap.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Split-K candidates per shape: the split that puts about W programs on every SM, for each W.
+# A grid just over a whole number of resident waves runs a second, nearly empty wave (Nsight
+# Compute on the W4A16 GEMV at qwen_up, 74 column tiles × split 8 = 592 programs with 528
+# resident: 1.12 waves, SMs idle 26% of the kernel), so some W lands each shape on full waves.
+WAVES = (1, 2, 3, 4, 5, 6, 8, 12, 16)
+
+
+def wave_splits(tiles: int, sms: int) -> set[int]:
+    """The split-K that puts about W programs on each SM, for each W in WAVES."""
+    return {max(1, round(w * sms / tiles)) for w in WAVES}
+
+
+@triton.jit
+def split_total(acc, ws_ptrs, MN, mask, cnt_ptr, tile, pid_k, split_k,
+                ONE_LOAD: tl.constexpr = False, SPLIT_P2: tl.constexpr = 1):
+    """Store this split's partial `acc` (float32 or int32, kept exact through a bitcast) at
+    `ws_ptrs + pid_k·MN`; returns (whether this program arrived last, the sum of every split's
+    partial in split order — meaningful only for the last). ONE_LOAD (1-D tiles; SPLIT_P2 a
+    power of 2 ≥ split_k): the last program reads every partial in one load instead of one
+    dependent load per split."""
+    IS_INT: tl.constexpr = acc.dtype == tl.int32
+    if IS_INT:
+        tl.store(ws_ptrs + pid_k * MN, acc.to(tl.float32, bitcast=True), mask=mask)
+    else:
+        tl.store(ws_ptrs + pid_k * MN, acc, mask=mask)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+    last = arrived == split_k - 1
+    total = acc
+    if last:
+        if ONE_LOAD:
+            rows = tl.arange(0, SPLIT_P2)
+            parts = tl.load(ws_ptrs[None, :] + rows[:, None] * MN,
+                            mask=mask[None, :] & (rows < split_k)[:, None], other=0.0,
+                            cache_modifier=".cg")
+            if IS_INT:
+                parts = parts.to(tl.int32, bitcast=True)
+            total = tl.sum(parts, axis=0)
+        else:
+            total = tl.zeros_like(acc)
+            for i in range(split_k):
+                part = tl.load(ws_ptrs + i * MN, mask=mask, other=0.0, cache_modifier=".cg")
+                if IS_INT:
+                    part = part.to(tl.int32, bitcast=True)
+                total += part
+        tl.store(cnt_ptr + tile, 0)
+    return last, total
+
+
+_WORKSPACE: dict[tuple, torch.Tensor] = {}
+
+
+def workspace(device: torch.device, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A buffer per device and dtype, grown on demand (the counters are zero between calls)."""
+    key = (str(device), dtype)
+    buf = _WORKSPACE.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.zeros(max(numel, 1 << 16), dtype=dtype, device=device)
+        _WORKSPACE[key] = buf
+    return buf
+
+
+def split_workspaces(device: torch.device, m: int, n: int,
+                     max_split: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The partials' workspace (float32, `max_split·m·n`) and the per-tile counters (int32; tiles
+    are at least 16 columns wide)."""
+    ws = workspace(device, max_split * m * n if max_split > 1 else 1, torch.float32)
+    cnt = workspace(device, m * triton.cdiv(n, 16) + 1, torch.int32)
+    return ws, cnt
