@@ -2,7 +2,9 @@
 
 Shapes are Linear layers of Qwen2-7B and Llama-3-8B, written K×N (in × out); M is the token
 count. Baselines run in the same process: bf16 F.linear (cuBLAS), torch._int_mm, torch._scaled_mm
-(per-row scales) and torch's tinygemm int4 kernel (_weight_int4pack_mm, its own packing).
+(per-row scales) and torch's tinygemm int4 kernel (_weight_int4pack_mm, its own packing); at
+M = 1 also the read floors (read_floor.py: a kernel that only reads the W4A16 / bf16 weight's
+bytes — the fastest any GEMM over those bytes could be).
 Times are medians of triton.testing.do_bench (events, L2 flushed between runs) over CUDA-graph
 replays of each call (so host launch overhead is out, as in a graphed decode loop); eager times
 (one Python call per run) are kept in the JSON as ms_eager. Each quantized
@@ -301,9 +303,10 @@ def markdown(res: dict) -> str:
             lines.append(f"| {shape} | {r['M']} | {r['kind']} | error: {r['error'][:80]} | | | | | |")
             continue
         rel = f"{r['rel_err']:.1e}" if "rel_err" in r else ""
+        flops = "" if r["kind"].startswith("read_") else f"{r['TFLOPs']:.1f}"  # a read does no math
         lines.append(f"| {shape} | {r['M']} | {r['kind']} | {r['ms'] * 1e3:.1f} ({r['ms_eager'] * 1e3:.1f}) | "
                      f"{r.get('speedup_vs_bf16', float('nan')):.2f} | {r['GBps']:.0f} | "
-                     f"{100 * r['bw_frac']:.0f}% | {r['TFLOPs']:.1f} | {rel} |")
+                     f"{100 * r['bw_frac']:.0f}% | {flops} | {rel} |")
     return "\n".join(lines) + "\n"
 
 

@@ -79,7 +79,10 @@ def workspace(device: torch.device, numel: int, dtype: torch.dtype) -> torch.Ten
 def split_workspaces(device: torch.device, m: int, n: int,
                      max_split: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The partials' workspace (float32, `max_split·m·n`) and the per-tile counters (int32; tiles
-    are at least 16 columns wide)."""
-    ws = workspace(device, max_split * m * n if max_split > 1 else 1, torch.float32)
+    are at least 16 columns wide). Unsplit calls get whatever buffers exist: a prefill GEMM
+    must not grow them (M = 8192 × N = 37888 would be 78 MB of counters)."""
+    if max_split <= 1:
+        return workspace(device, 1, torch.float32), workspace(device, 1, torch.int32)
+    ws = workspace(device, max_split * m * n, torch.float32)
     cnt = workspace(device, m * triton.cdiv(n, 16) + 1, torch.int32)
     return ws, cnt

@@ -10,6 +10,10 @@ tiles in one flattened, software-pipelined loop, so a tile's loads overlap the p
 tile's epilogue): at M = 4096 on an H200 the persistent ones won the large FP8 shapes
 (benchmarks/results/gemm_nvidia_h200_m4096.md).
 
+At M ≤ 64 the K loop is also split across programs (`split_k.py`; int32 partials stay exact),
+so a weight of few column tiles fills the GPU: W8A8 at M = 1 on the Qwen2-7B down projection
+went from 52.0 to 32.7 µs on an H200 (bf16 48.9).
+
 Requirements: K a multiple of 16 (TMA row strides are 16-byte aligned); contiguous operands.
 """
 
