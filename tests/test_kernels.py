@@ -367,3 +367,27 @@ def test_linear_entry_points_use_the_kernels():
     assert rel_err(y8.cpu(), x @ w.t()) < 0.02  # int8 activations and weights
     yf = ops.fp8_linear(x.half().to(DEV), layout.quantize_fp8_weight(w).to(DEV))
     assert rel_err(yf.cpu(), x @ w.t()) < 0.08  # e4m3
+
+
+@needs_triton
+def test_custom_ops_only_under_torch_compile(monkeypatch):
+    """Eager calls launch the kernels directly (the custom op's dispatch is host time an eager
+    prefill waits on); under torch.compile each GEMM is the custom op, one opaque node, so the
+    whole function traces without a graph break."""
+    x = torch.randn(3, 96).half().to(DEV)
+    p4 = layout.pack_wna16(canonical(48, 96, 4, 32), torch.float16).to(DEV)
+    p8 = layout.quantize_int8_weight(torch.randn(48, 96)).to(DEV)
+
+    def both(x):
+        return ops.wna16_linear(x, p4) + ops.w8a8_linear(x, p8)
+
+    eager = both(x)
+    traced = torch.compile(both, backend="aot_eager", fullgraph=True)(x)
+    assert torch.equal(traced, eager)
+
+    def refuse(*args):
+        raise AssertionError("the custom op ran eagerly")
+
+    monkeypatch.setattr(ops, "_wna16_mm_op", refuse)
+    monkeypatch.setattr(ops, "_scaled_mm_op", refuse)
+    assert torch.equal(both(x), eager)
