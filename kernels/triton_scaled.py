@@ -127,9 +127,9 @@ def _set_blocks(nargs):
     nargs["b_desc"].block_shape = [bn, bk]
 
 
-def _cfg(bm, bn, bk, warps, stages, group_m=8, persistent=False, split_k=1):
+def _cfg(bm, bn, bk, warps, stages, group_m=8, persistent=False):
     return triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, PERSISTENT=persistent,
-                              SPLIT_K=split_k),
+                              SPLIT_K=1),
                          num_warps=warps, num_stages=stages, pre_hook=_set_blocks)
 
 
