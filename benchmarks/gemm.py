@@ -274,8 +274,9 @@ def bars(rows: list[dict]) -> list[str]:
             line(b / w >= 2.5, f"W4A16 M=16 {shape}: {b / w:.2f}× bf16 (bar 2.5×)")
     slow = [(sh, m, t[(sh, m, "bf16")] / v) for (sh, m, k), v in t.items()
             if k == "w4a16" and m <= 64 and (sh, m, "bf16") in t and v > t[(sh, m, "bf16")]]
-    line(not slow, "W4A16 never slower than bf16 at M ≤ 64" +
-         ("" if not slow else ": slower at " + ", ".join(f"{sh} M={m} ({x:.2f}×)" for sh, m, x in slow)))
+    if any(k == "w4a16" and m <= 64 for (_, m, k) in t):
+        line(not slow, "W4A16 never slower than bf16 at M ≤ 64" +
+             ("" if not slow else ": slower at " + ", ".join(f"{sh} M={m} ({x:.2f}×)" for sh, m, x in slow)))
     for kind, base, bar in (("fp8", "scaled_mm", 1.5), ("w8a8", "int_mm", 1.3)):
         for (sh, m, k), v in sorted(t.items()):
             if k == kind and m == 4096 and (sh, m, "bf16") in t:
