@@ -391,3 +391,27 @@ def test_custom_ops_only_under_torch_compile(monkeypatch):
     monkeypatch.setattr(ops, "_wna16_mm_op", refuse)
     monkeypatch.setattr(ops, "_scaled_mm_op", refuse)
     assert torch.equal(both(x), eager)
+
+
+@needs_triton
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int8_activation_quant_kernel_is_bit_identical(static, dtype):
+    """The one-launch int8 activation quantization gives the torch path's codes and scales
+    exactly: rows longer than a block (1500 > 1024), an all-zero row, and exact ties (a row
+    whose absmax is 127 has scale 1, so x.5 must round half to even)."""
+    from quantlab.kernels.triton_act import quantize_rows_int8
+    from quantlab.runner.codes import InputQuant
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 1500, generator=g) * 3
+    x[1] = 0
+    x[2, :8] = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, 127.0])
+    x[2, 8:] = 0
+    x = x.to(dtype).to(DEV)
+    act = InputQuant("int8", not static, torch.tensor([5.0], device=DEV) if static else None)
+    want_q, want_s = act.quantize_torch(x)
+    q, s = quantize_rows_int8(x, act.absmax)
+    assert torch.equal(s, want_s) and torch.equal(q, want_q)
+    q2, s2 = act.quantize(x)  # the dispatch takes the kernel here (interpreter or GPU)
+    assert torch.equal(q2, q) and torch.equal(s2, s)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quantlab.kernels import ops
 from quantlab.quant.activations import FP8_MAX, INT8_MAX, INT8_MIN, scale_from_absmax
 
 STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -46,7 +47,18 @@ class InputQuant:
         return InputQuant(self.kind, self.per_token, absmax)
 
     def quantize(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`x2 [M, K]` → codes `[M, K]` and scales `[M]` (per token) or `[1]`."""
+        """`x2 [M, K]` → codes `[M, K]` and scales `[M]` (per token) or `[1]`. int8 runs eagerly
+        on a GPU as one Triton launch (kernels/triton_act.py, bit-identical); torch.compile
+        fuses the torch ops itself."""
+        if self.kind == "int8" and (self.per_token or self.absmax is not None) and x2.shape[0] \
+                and x2.stride(-1) == 1 and ops.use_triton(x2) and not torch.compiler.is_compiling():
+            from quantlab.kernels.triton_act import quantize_rows_int8
+
+            return quantize_rows_int8(x2, None if self.per_token else self.absmax)
+        return self.quantize_torch(x2)
+
+    def quantize_torch(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`quantize` in torch ops: the CPU path, what torch.compile fuses, the kernel's reference."""
         if self.per_token:
             amax = x2.float().abs().amax(dim=-1)
         elif self.absmax is None:
