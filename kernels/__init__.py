@@ -1,8 +1,9 @@
 """GEMM kernels for the runner (installed as `quantlab.kernels`).
 
 Packed layouts and repacking from quantlab's canonical form (`layout`), torch reference
-paths (`reference`), Triton kernels (`triton_wna16`, `triton_scaled`, imported lazily: this
-package imports without triton or a GPU) and the dispatching entry points (`ops`).
+paths (`reference`), Triton kernels (`triton_wna16`, `triton_scaled`, `triton_act`, with the
+split-K reduction they share in `split_k`; imported lazily: this package imports without
+triton or a GPU) and the dispatching entry points (`ops`).
 """
 
 from quantlab.kernels.layout import (
