@@ -413,5 +413,5 @@ def test_int8_activation_quant_kernel_is_bit_identical(static, dtype):
     want_q, want_s = act.quantize_torch(x)
     q, s = quantize_rows_int8(x, act.absmax)
     assert torch.equal(s, want_s) and torch.equal(q, want_q)
-    q2, s2 = act.quantize(x)  # the dispatch takes the kernel here (interpreter or GPU)
+    q2, s2 = act.quantize(x)  # the kernel on a GPU, the torch ops on the CPU
     assert torch.equal(q2, q) and torch.equal(s2, s)
