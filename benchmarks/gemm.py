@@ -198,7 +198,7 @@ def run(args) -> dict:
                 yr = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
                 variants["read_w4a16"] = (lambda: read_packed(case.w4, yr), None)
                 variants["read_bf16"] = (lambda: read_weight_bytes(case.w, yr), None)
-            if m == 1:  # both decode paths, forced (auto takes the GEMV)
+                # both decode paths, forced (auto takes the GEMV)
                 for bits, pw in ((4, case.w4), (8, case.w8)):
                     ref = variants[f"w{bits}a16"][1]
                     for impl in ("gemv", "fused"):

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from quantlab.kernels.ops import autotune_bench
+
 SENTINEL = 0x5EED1234
 
 
@@ -49,24 +51,13 @@ def _prune(configs, named_args, **_):
     return [c for c in configs if named_args["NBLK"] >= 2 * c.kwargs["SPLIT_K"]] or configs[:1]
 
 
-def _configs() -> list[triton.Config]:
-    return [triton.Config(dict(BLOCK_N=bn, SPLIT_K=sk), num_warps=w)
-            for bn, w in ((128, 1), (256, 2), (1024, 4))
-            for sk in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80)]
-
-
-_TUNED = None
-
-
-def _tuned():
-    global _TUNED
-    if _TUNED is None:
-        from quantlab.kernels.ops import autotune_bench
-
-        _TUNED = triton.autotune(configs=_configs(), key=["M", "N", "NBLK", "HAS_GROUPS"],
-                                 do_bench=autotune_bench, cache_results=True,
-                                 prune_configs_by={"early_config_prune": _prune})(_read_kernel)
-    return _TUNED
+# The GEMV's widths and splits, autotuned per shape like the kernels (CUDA-graph replays).
+CONFIGS = [triton.Config(dict(BLOCK_N=bn, SPLIT_K=sk), num_warps=w)
+           for bn, w in ((128, 1), (256, 2), (1024, 4))
+           for sk in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80)]
+_TUNED = triton.autotune(configs=CONFIGS, key=["M", "N", "NBLK", "HAS_GROUPS"],
+                         do_bench=autotune_bench, cache_results=True,
+                         prune_configs_by={"early_config_prune": _prune})(_read_kernel)
 
 
 def read_words(words: torch.Tensor, out: torch.Tensor, scales: torch.Tensor | None = None,
@@ -80,8 +71,8 @@ def read_words(words: torch.Tensor, out: torch.Tensor, scales: torch.Tensor | No
     s = scales if groups else out
     z = zeros if groups else out
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
-    _tuned()[grid](words, s, z, out, out.shape[0], n, rows // 8, s.shape[0], SENTINEL,
-                   GROUP_BLOCKS=group_blocks, HAS_GROUPS=groups)
+    _TUNED[grid](words, s, z, out, out.shape[0], n, rows // 8, s.shape[0], SENTINEL,
+                 GROUP_BLOCKS=group_blocks, HAS_GROUPS=groups)
     return out
 
 

@@ -97,7 +97,7 @@ def _flat(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
 # treats each GEMM as one opaque node instead of tracing into the autotuner's Python. Eager
 # calls skip the op's dispatch: it cost 40–75 µs of host time per call on the H200 machine
 # (W4A16 at M = 512: 137 µs through the op against 61 µs direct), and an eager 512-token
-# prefill is host-bound (`_eager_or_op`).
+# prefill is host-bound (`_wna16_mm`, `_scaled_mm`).
 
 
 @torch.library.custom_op("quantlab::wna16_mm", mutates_args=())
@@ -123,11 +123,6 @@ def _(xq, sx, w, scale, zc, out_dtype):
     return xq.new_empty(xq.shape[0], w.shape[0], dtype=out_dtype)
 
 
-def _eager_or_op(op, direct: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """The custom op while torch.compile traces, else its implementation called directly."""
-    return op if torch.compiler.is_compiling() else direct
-
-
 def _wna16_direct(x, qweight, scales, zeros, perm, bits, group_size, in_features, out_features, impl):
     from quantlab.kernels.triton_wna16 import wna16_matmul
 
@@ -143,14 +138,23 @@ def _scaled_direct(xq, sx, w, scale, zc, out_dtype):
     return triton_scaled.fp8_matmul(xq, sx, PackedFP8(w, scale), out_dtype)
 
 
+def _wna16_mm(*args) -> torch.Tensor:
+    """The custom op while torch.compile traces, else its implementation called directly."""
+    return (_wna16_mm_op if torch.compiler.is_compiling() else _wna16_direct)(*args)
+
+
+def _scaled_mm(*args) -> torch.Tensor:
+    """As `_wna16_mm`, for the scaled int8 / FP8 GEMM."""
+    return (_scaled_mm_op if torch.compiler.is_compiling() else _scaled_direct)(*args)
+
+
 def wna16_linear(x: torch.Tensor, p: PackedWNA16, bias: torch.Tensor | None = None,
                  impl: str = "auto") -> torch.Tensor:
     """`x [..., K]` (bf16/fp16) @ Wᵀ for packed W4A16 / W8A16 weights."""
     x2, lead = _flat(x)
     if p.kernel_ok and use_triton(x2):
-        y = _eager_or_op(_wna16_mm_op, _wna16_direct)(
-            x2, p.qweight, p.scales, p.zeros, p.perm, p.bits, p.group_constexpr, p.in_features,
-            p.out_features, impl)
+        y = _wna16_mm(x2, p.qweight, p.scales, p.zeros, p.perm, p.bits, p.group_constexpr,
+                      p.in_features, p.out_features, impl)
     else:
         y = reference.wna16_mm(x2, p)
     if bias is not None:
@@ -161,14 +165,14 @@ def wna16_linear(x: torch.Tensor, p: PackedWNA16, bias: torch.Tensor | None = No
 def w8a8_mm(xq: torch.Tensor, sx: torch.Tensor, p: PackedW8A8,
             out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     if use_triton(xq, (9, 0)) and xq.shape[1] % 16 == 0:
-        return _eager_or_op(_scaled_mm_op, _scaled_direct)(xq, sx, p.w, p.scale, p.zc, out_dtype)
+        return _scaled_mm(xq, sx, p.w, p.scale, p.zc, out_dtype)
     return reference.w8a8_mm(xq, sx, p, out_dtype)
 
 
 def fp8_mm(xq: torch.Tensor, sx: torch.Tensor, p: PackedFP8,
            out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     if use_triton(xq, (9, 0)) and xq.shape[1] % 16 == 0:
-        return _eager_or_op(_scaled_mm_op, _scaled_direct)(xq, sx, p.w, p.scale, None, out_dtype)
+        return _scaled_mm(xq, sx, p.w, p.scale, None, out_dtype)
     return reference.fp8_mm(xq, sx, p, out_dtype)
 
 

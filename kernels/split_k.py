@@ -10,6 +10,8 @@ correct. One workspace per device: calls on different streams must not overlap.
 
 from __future__ import annotations
 
+import types
+
 import torch
 import triton
 import triton.language as tl
@@ -24,6 +26,14 @@ WAVES = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 def wave_splits(tiles: int, sms: int) -> set[int]:
     """The split-K that puts about W programs on each SM, for each W in WAVES."""
     return {max(1, round(w * sms / tiles)) for w in WAVES}
+
+
+def largest_split(prune, configs, device: torch.device, **shape) -> int:
+    """The largest split-K an autotuner's prune keeps for a shape (`shape`: the kernel arguments
+    the prune reads), so the workspace can be sized before the launch. The prune reads only
+    the output's device."""
+    kept = prune(configs, dict(shape, y_ptr=types.SimpleNamespace(device=device)))
+    return max(c.kwargs["SPLIT_K"] for c in kept)
 
 
 @triton.jit

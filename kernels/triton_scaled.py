@@ -20,7 +20,6 @@ Requirements: K a multiple of 16 (TMA row strides are 16-byte aligned); contiguo
 from __future__ import annotations
 
 import functools
-import types
 
 import torch
 import triton
@@ -29,7 +28,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from quantlab.kernels.layout import PackedFP8, PackedW8A8
 from quantlab.kernels.ops import autotune_bench, interpret_mode, sm_count
-from quantlab.kernels.split_k import split_total, split_workspaces, wave_splits
+from quantlab.kernels.split_k import largest_split, split_total, split_workspaces, wave_splits
 
 
 @triton.jit
@@ -194,9 +193,7 @@ INTERPRET_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2)
 @functools.lru_cache(maxsize=1024)
 def _max_split(m: int, n: int, k: int, device: torch.device) -> int:
     """The largest split the small-M autotuner may pick for a shape (sizes the workspace)."""
-    y = types.SimpleNamespace(device=device)  # the prune reads only the output's device
-    kept = _small_m_splits(SMALL_M_CONFIGS, dict(M=m, N=n, K=k, y_ptr=y))
-    return max(c.kwargs["SPLIT_K"] for c in kept)
+    return largest_split(_small_m_splits, SMALL_M_CONFIGS, device, M=m, N=n, K=k)
 
 
 def _launch(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
@@ -222,10 +219,8 @@ def _launch(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor
     flags = dict(ROW_A=sa.numel() == m, ROW_B=sb.numel() == n, ZC=zc is not None, IS_INT=is_int)
     sms = sm_count(a.device, 4)
     small = m <= SMALL_M
-    if config is not None:
-        max_split = config.get("SPLIT_K", 1)
-    else:
-        max_split = _max_split(m, n, k, a.device) if small else 1
+    split = config.get("SPLIT_K", 1) if config is not None else None
+    max_split = split or (_max_split(m, n, k, a.device) if small else 1)
     ws, cnt = split_workspaces(a.device, m, n, max_split)
 
     def grid(meta):
@@ -236,7 +231,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor
     if config is not None:
         meta = {kk: config[kk] for kk in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
         meta["PERSISTENT"] = bool(config.get("PERSISTENT", False))
-        meta["SPLIT_K"] = config.get("SPLIT_K", 1)
+        meta["SPLIT_K"] = split
         _set_blocks({"a_desc": a_desc, "b_desc": b_desc, **meta})
         _scaled_mm_kernel[grid](*args, **flags, **meta, num_warps=config.get("num_warps", 4),
                                 num_stages=config.get("num_stages", 2))

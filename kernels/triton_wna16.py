@@ -57,7 +57,6 @@ memory (the MIO queue, 52% of stalls).
 from __future__ import annotations
 
 import functools
-import types
 
 import torch
 import triton
@@ -65,7 +64,7 @@ import triton.language as tl
 
 from quantlab.kernels.layout import BLOCK_K, PackedWNA16
 from quantlab.kernels.ops import autotune_bench, interpret_mode, sm_count
-from quantlab.kernels.split_k import split_total, split_workspaces, wave_splits
+from quantlab.kernels.split_k import largest_split, split_total, split_workspaces, wave_splits
 
 MAGIC32 = 0x4B000000  # float32 bits of 2^23
 
@@ -676,10 +675,8 @@ def dequantize(p: PackedWNA16, dtype: torch.dtype) -> torch.Tensor:
 def _max_split(tuner: str, n: int, nblk: int, m: int, device: torch.device) -> int:
     """The largest split-K the autotuner may pick for a shape (sizes the workspace; cached:
     pruning builds the candidate configs, too slow to redo per eager call)."""
-    y = types.SimpleNamespace(device=device)  # the prune reads only the output's device
-    kept = PRUNE["gemv" if tuner == "gemv" else "fused"](TUNERS[tuner].configs,
-                                                          dict(N=n, NBLK=nblk, M=m, y_ptr=y))
-    return max(c.kwargs["SPLIT_K"] for c in kept)
+    prune = PRUNE["gemv" if tuner == "gemv" else "fused"]
+    return largest_split(prune, TUNERS[tuner].configs, device, N=n, NBLK=nblk, M=m)
 
 
 def _launch_gemv(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, config: dict | None) -> None:
