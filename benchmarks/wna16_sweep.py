@@ -44,9 +44,9 @@ DEEP_SMALL = [(64, bn, w, st, u, False, None) for bn, w in ((128, 8), (64, 4)) f
 LARGE = [(bm, bn, 8, st, u, False, None) for bm, bn in ((128, 128), (256, 128), (128, 256))
          for st in (2, 3, 4) for u in (1, 2)]
 SPLITS = (1, 2, 4, 8, 16)
-# The M = 1 CUDA-core GEMV: (BLOCK_N, num_warps, num_stages, PF); split-K is swept.
-GEMV = [(bn, w, 1, pf) for bn, w in ((128, 1), (256, 1), (256, 2), (512, 2), (512, 4), (128, 2))
-        for pf in (True, False)]
+# The M = 1 CUDA-core GEMV: (BLOCK_N, num_warps, num_stages, PF, DENORM); split-K is swept.
+GEMV = [(bn, w, 1, pf, dn) for bn, w in ((128, 1), (256, 1), (256, 2), (512, 2), (512, 4), (128, 2))
+        for pf, dn in ((True, False), (False, False), (True, True))]
 GEMV_SPLITS = (2, 4, 8, 16, 32)
 
 
@@ -70,8 +70,8 @@ def configs(m: int, nblk: int, deep: str | None = None, n: int = 1,
                 for sk in (splits(SPLITS, -(-n // bn) * -(-m // bm)) if m <= 64 else (1,))
                 if sk == 1 or nblk // u >= 2 * sk]
     if m == 1 and deep != "only":
-        out += [("gemv", dict(BLOCK_N=bn, SPLIT_K=sk, PF=pf, num_warps=w, num_stages=st))
-                for bn, w, st, pf in GEMV for sk in splits(GEMV_SPLITS, -(-n // bn)) if nblk >= 2 * sk]
+        out += [("gemv", dict(BLOCK_N=bn, SPLIT_K=sk, PF=pf, DENORM=dn, num_warps=w, num_stages=st))
+                for bn, w, st, pf, dn in GEMV for sk in splits(GEMV_SPLITS, -(-n // bn)) if nblk >= 2 * sk]
     return out
 
 
@@ -81,6 +81,7 @@ def main() -> None:
     ap.add_argument("--ms", default="1,16,64")
     ap.add_argument("--out", default="")
     ap.add_argument("--top", type=int, default=6)
+    ap.add_argument("--impls", default="", help="only these kernels, e.g. gemv (default: all)")
     ap.add_argument("--deep", choices=["add", "only"], default=None,
                     help="also (add) or only (only) the deeper-pipeline configs DEEP_*")
     args = ap.parse_args()
@@ -110,6 +111,8 @@ def main() -> None:
             rows = []
             nblk = case.w4.qweight.shape[0] // 8
             for impl, cfg in configs(m, nblk, args.deep, n, dev.multi_processor_count):
+                if args.impls and impl not in args.impls.split(","):
+                    continue
                 fn = lambda impl=impl, cfg=cfg: wna16_matmul(x, case.w4, impl=impl, config=cfg)  # noqa: E731
                 try:
                     err = rel_err(fn(), ref)

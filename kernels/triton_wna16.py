@@ -9,9 +9,17 @@ Each thread owns 4 columns × the 8 words of a block, so the K reduction stays i
 The next block's words, activations, scales and zeros are loaded before the current block is
 used (Triton software-pipelines only loads that feed dots; without this prefetch each block
 waits on its activation and scale loads: +10–20% time at int4 g128 on an H200). Codes are
-taken in *stored* order (`_codes_minus_zero`: one LOP3 and one FMA per code, exact float32
-`q − z`), and the activations are gathered in that same order (`_stored_k`, a few index
-operations once per program) — a GEMV needs no particular K order.
+taken in *stored* order, and the activations are gathered in that same order (`_stored_k`, a
+few index operations once per program) — a GEMV needs no particular K order. Two ways to turn
+a code into a float (the autotuner picks; on an H200 it picks the first on every MLP shape):
+
+* DENORM: the masked bits *are* the float — a denormal `q·2^(sh − 149)` — and each block's
+  activations are scaled by `2^(64 − sh)` once, so the product is `q·x·2^−85`, a normal float
+  as exact as `q·x`: one LOP3 and one FMA per code, and the zero point leaves the inner loop
+  (`Σ (q − z)·x = Σ q·x − z·Σ x`). 941 SASS instructions per loop iteration against 1219;
+  qwen_down at M = 1 22.2 → 20.5 µs, llama_up 20.4 → 18.6 µs.
+* `_codes_minus_zero`: `(w & mask) | 2^23` as float, one FMA gives the exact float32 `q − z`,
+  then the product: two float ops per code.
 
 **2 ≤ M ≤ 64 (and M = 1 with smaller groups): `_wna16_kernel`, tensor cores.** It computes
 Yᵀ = W·Xᵀ: the weights are the MMA's A operand, taken from registers, and the token count is
@@ -43,11 +51,11 @@ Split-K (SPLIT_K programs along K per output tile) sums its partials determinist
 (`split_k.py`). The autotuner gets, per shape, the splits that fill whole waves of programs
 (`split_k.WAVES`; not only powers of 2), timed as CUDA-graph replays (`ops.autotune_bench`).
 
-Measured on an H200 (benchmarks/results/gemm_nvidia_h200.md, CUDA graphs, L2 flushed), on
-the Qwen2-7B / Llama-3-8B MLP shapes: W4A16 g128 at M = 1 2.0–2.3× bf16 cuBLAS (faster than
-torch's tinygemm), at M = 16 1.55–1.7×, at M = 64 0.97–1.16× (the attention shapes: 1.04–1.33×
+Measured on an H200 (benchmarks/results/gemm_nvidia_h200*.md, CUDA graphs, L2 flushed), on
+the Qwen2-7B / Llama-3-8B MLP shapes: W4A16 g128 at M = 1 2.2–2.35× bf16 cuBLAS (faster than
+torch's tinygemm, 1.17–1.2× the time of only reading the weight), at M = 16 1.55–1.7×, at M = 64 0.97–1.16× (the attention shapes: 1.04–1.33×
 at M = 16, 0.83–1.03× at M = 64); W8A16 at M = 1 1.6–1.7×. What bounds them (Nsight Compute,
-benchmarks/profile_wna16.py): the GEMV is issue-bound — 4.1
+benchmarks/profile_wna16.py, before DENORM): the GEMV was issue-bound — 4.1
 instructions per weight (LOP3, the float32 `q − z`, the FMA, and the activations' trip
 through shared memory), 255 registers, 8 warps per SM, one issued every 1.7 cycles; the
 tensor-core kernel at M = 16 waits on global loads (occupancy 25%) and at M = 64 on shared
@@ -265,14 +273,19 @@ def _slice_operand(w, d: tl.constexpr, zo, s, s_ptr, z_ptr, k0, offs_j, offs_n, 
 
 
 @triton.jit
-def _fma_code(acc, w, z, xs, magic, I: tl.constexpr, BITS: tl.constexpr):
-    return acc + tl.sum(_codes_minus_zero(w, z, magic, I, BITS) * xs[None, :], axis=1)
+def _fma_code(acc, w, z, xs, magic, I: tl.constexpr, BITS: tl.constexpr, DENORM: tl.constexpr):
+    if DENORM:
+        codes = _denormal_code(w, I, BITS)
+    else:
+        codes = _codes_minus_zero(w, z, magic, I, BITS)
+    return acc + tl.sum(codes * xs[None, :], axis=1)
 
 
 @triton.jit
-def _fma_codes(w, z, xv, magic, BITS: tl.constexpr):
+def _fma_codes(w, z, xv, magic, BITS: tl.constexpr, DENORM: tl.constexpr):
     """Σ (q − z)·x over one block `w [BN, 8]`, slot by slot: `xv [8·P]` (stored order, slot s
-    of word j at P·j + s) is split into the P per-slot vectors by register-only reshapes."""
+    of word j at P·j + s) is split into the P per-slot vectors by register-only reshapes.
+    DENORM: Σ q·x in units of 2^(DENORM_X − 149), from activations scaled by `_gemv_inputs`."""
     wh = _high(w)
     acc = tl.zeros([w.shape[0]], dtype=tl.float32)
     if BITS == 4:
@@ -283,23 +296,45 @@ def _fma_codes(w, z, xv, magic, BITS: tl.constexpr):
         x2, x6 = tl.split(e1)
         x1, x5 = tl.split(o0)
         x3, x7 = tl.split(o1)
-        acc = _fma_code(acc, w, z, x0, magic, 0, 4)
-        acc = _fma_code(acc, w, z, x1, magic, 1, 4)
-        acc = _fma_code(acc, w, z, x2, magic, 2, 4)
-        acc = _fma_code(acc, w, z, x3, magic, 3, 4)
-        acc = _fma_code(acc, wh, z, x4, magic, 4, 4)
-        acc = _fma_code(acc, wh, z, x5, magic, 5, 4)
-        acc = _fma_code(acc, wh, z, x6, magic, 6, 4)
-        acc = _fma_code(acc, wh, z, x7, magic, 7, 4)
+        acc = _fma_code(acc, w, z, x0, magic, 0, 4, DENORM)
+        acc = _fma_code(acc, w, z, x1, magic, 1, 4, DENORM)
+        acc = _fma_code(acc, w, z, x2, magic, 2, 4, DENORM)
+        acc = _fma_code(acc, w, z, x3, magic, 3, 4, DENORM)
+        acc = _fma_code(acc, wh, z, x4, magic, 4, 4, DENORM)
+        acc = _fma_code(acc, wh, z, x5, magic, 5, 4, DENORM)
+        acc = _fma_code(acc, wh, z, x6, magic, 6, 4, DENORM)
+        acc = _fma_code(acc, wh, z, x7, magic, 7, 4, DENORM)
     else:
         even, odd = tl.split(tl.reshape(xv, (8, 2, 2)))  # [j, b1, b0] → b0
         x0, x2 = tl.split(even)
         x1, x3 = tl.split(odd)
-        acc = _fma_code(acc, w, z, x0, magic, 0, 8)
-        acc = _fma_code(acc, w, z, x1, magic, 1, 8)
-        acc = _fma_code(acc, wh, z, x2, magic, 2, 8)
-        acc = _fma_code(acc, wh, z, x3, magic, 3, 8)
+        acc = _fma_code(acc, w, z, x0, magic, 0, 8, DENORM)
+        acc = _fma_code(acc, w, z, x1, magic, 1, 8, DENORM)
+        acc = _fma_code(acc, wh, z, x2, magic, 2, 8, DENORM)
+        acc = _fma_code(acc, wh, z, x3, magic, 3, 8, DENORM)
     return acc
+
+
+@triton.jit
+def _denormal_code(w, I: tl.constexpr, BITS: tl.constexpr):
+    """Code in slot I as a float32 denormal — the masked bits themselves, `q·2^(sh − 149)`
+    (sh: the slot's shift within its 16-bit half, so the bits stay below the exponent field;
+    slots past bit 16 expect `_high(w)`)."""
+    SH: tl.constexpr = (I % (16 // BITS)) * BITS
+    return (w & (((1 << BITS) - 1) << SH)).to(tl.float32, bitcast=True)
+
+
+DENORM_X = tl.constexpr(64)  # the activations' scale 2^64: code × x products are normal floats
+
+
+@triton.jit
+def _denormal_scale(pos, BITS: tl.constexpr):
+    """Per stored position, the activation's factor `2^(DENORM_X − sh)` (sh: the shift of its
+    code within the 16-bit half), as float32 bits. A denormal code `q·2^(sh − 149)` times the
+    scaled activation is `q·x·2^(DENORM_X − 149)`, a normal float for |q·x| ≥ 2^−41, exact as
+    float32 `q·x` is; activations up to 2^64 do not overflow."""
+    exponent = tl.full(pos.shape, 127 + DENORM_X, tl.int32) - (pos % (16 // BITS)) * BITS
+    return (exponent << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -322,7 +357,8 @@ def _gemv_inputs(x_row, s_ptr, z_ptr, b, b1, k_in, s, z, offs_n, n_mask, N, K, N
 def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
                  M, N, K, NBLK, NG, stride_xm, stride_ym, magic32,
                  BITS: tl.constexpr, GROUP: tl.constexpr,
-                 SPLIT_K, BLOCK_N: tl.constexpr, SPLIT_P2: tl.constexpr, PF: tl.constexpr = True):
+                 SPLIT_K, BLOCK_N: tl.constexpr, SPLIT_P2: tl.constexpr, PF: tl.constexpr = True,
+                 DENORM: tl.constexpr = False):
     """See the module docstring; one token row per grid row (program_id 2). A `[BLOCK_N, 8]`
     block with BLOCK_N = 128·num_warps gives each thread all 8 words of its 4 columns. GROUP:
     0 (per-channel) or a multiple of the block (one group per block). The next block's words
@@ -360,7 +396,12 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
         else:
             xv, s, z = _gemv_inputs(x_row, s_ptr, z_ptr, b, b1, k_in, s, z, offs_n, n_mask, N,
                                     K, NG, BITS, GROUP)
-        part = _fma_codes(w, z, xv, magic32, BITS)
+        if DENORM:
+            xsum = tl.sum(xv, axis=0)
+            xv = xv * _denormal_scale(tl.arange(0, BK), BITS)
+        part = _fma_codes(w, z, xv, magic32, BITS, DENORM)
+        if DENORM:  # Σ (q − z)·x = Σ q·x − z·Σ x
+            part = part * (2.0 ** (149 - DENORM_X)) - tl.reshape(z, (BLOCK_N,)) * xsum
         if GROUP > 0:
             acc += part * tl.reshape(s, (BLOCK_N,))
         else:
@@ -563,10 +604,10 @@ def _gemv_meta(kw: dict) -> dict:
 # the Qwen2-7B MLP shapes at M = 1 on an H200 (qwen_up: 1 warp, split 7 = 518 programs,
 # 20.5 µs; qwen_down: 2 warps, split 38, 22.2 µs; the best power of 2 22.5 and 23.4 µs;
 # benchmarks/wna16_sweep.py); four-warp ones slower.
-GEMV_CONFIGS = [triton.Config(_gemv_meta(dict(BLOCK_N=128 * w, SPLIT_K=sk, PF=pf)), num_warps=w,
-                              num_stages=1, maxnreg=r)
+GEMV_CONFIGS = [triton.Config(_gemv_meta(dict(BLOCK_N=128 * w, SPLIT_K=sk, PF=pf, DENORM=dn)),
+                              num_warps=w, num_stages=1, maxnreg=r)
                 for w, regs in ((1, (None, 128)), (2, (None,))) for r in regs
-                for sk in (4, 8, 16, 32) for pf in (True, False)]
+                for sk in (4, 8, 16, 32) for pf, dn in ((True, False), (False, False), (True, True))]
 DECODE_MAX_M = 64  # above: dequantize + cuBLAS
 DEQUANT_BLOCK_N = 128
 
@@ -642,7 +683,7 @@ TUNERS = {
 
 # One small config per path for the CPU interpreter (autotuning there would run every config).
 INTERPRET_CONFIGS = {
-    "gemv": dict(BLOCK_N=64, SPLIT_K=2, PF=True),
+    "gemv": dict(BLOCK_N=64, SPLIT_K=2, PF=True, DENORM=True),
     16: dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=2, U=1),
     64: dict(BLOCK_M=32, BLOCK_N=32, SPLIT_K=2, U=2),
 }

@@ -172,6 +172,10 @@ WNA16_CASES = [  # bits, group, M, impl, config (None = the interpreter default)
     (8, 64, 1, "auto", dict(BLOCK_N=64, SPLIT_K=4, PF=False), torch.bfloat16),
     (4, 64, 1, "gemv", dict(BLOCK_N=32, SPLIT_K=3, PF=True), torch.float16),  # split ≠ 2^n
     (4, None, 3, "gemv", None, torch.float16),  # one grid row per token
+    # the denormal-code GEMV (the interpreter default above) and the magic-number one
+    (4, 128, 2, "gemv", dict(BLOCK_N=32, SPLIT_K=3, PF=False, DENORM=True), torch.bfloat16),
+    (8, None, 1, "gemv", dict(BLOCK_N=64, SPLIT_K=2, PF=True, DENORM=True), torch.float16),
+    (4, 128, 1, "gemv", dict(BLOCK_N=64, SPLIT_K=2, PF=True, DENORM=False), torch.bfloat16),
     # tensor cores, default JOIN: whole-iteration operand (int8 under bf16 on a GPU; every
     # case in the interpreter, where FAST — int4 on a GPU — cannot run)
     (4, 32, 1, "auto", dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=1, U=2, PF=False), torch.bfloat16),
@@ -229,6 +233,24 @@ def test_stored_k_is_the_layout_order(bits):
     out = torch.empty(256, dtype=torch.int32, device=DEV)
     _stored_k_probe[(1,)](out, BITS=bits, N=256)
     assert torch.equal(out.cpu().long(), layout.kernel_k_order(256, bits))
+
+
+@needs_triton
+@pytest.mark.parametrize("magnitude,dtype", [(1e-12, torch.bfloat16), (1.0, torch.float16),
+                                             (3e4, torch.bfloat16)])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gemv_denormal_codes_over_activation_magnitudes(bits, magnitude, dtype):
+    """The denormal-code GEMV (codes as float32 denormals, activations scaled by 2^(64 − sh))
+    is as accurate as the magic-number one for tiny and large activations: no product falls
+    into the denormal range or overflows."""
+    from quantlab.kernels.triton_wna16 import wna16_matmul
+
+    p = layout.pack_wna16(canonical(72, 300, bits, 64, seed=7), dtype).to(DEV)
+    x = (torch.randn(1, 300, dtype=torch.float64) * magnitude).to(dtype).to(DEV)
+    ref = reference.wna16_mm(x, p)
+    errs = [rel_err(wna16_matmul(x, p, impl="gemv", config=dict(BLOCK_N=64, SPLIT_K=2, DENORM=d)),
+                    ref) for d in (False, True)]
+    assert errs[1] < TOL[dtype] and errs[1] <= 1.5 * errs[0] + 1e-6
 
 
 @needs_triton
