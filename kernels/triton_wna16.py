@@ -53,12 +53,12 @@ Split-K (SPLIT_K programs along K per output tile) sums its partials determinist
 
 Measured on an H200 (benchmarks/results/gemm_nvidia_h200*.md, CUDA graphs, L2 flushed), on
 the Qwen2-7B / Llama-3-8B MLP shapes: W4A16 g128 at M = 1 2.2–2.35× bf16 cuBLAS (faster than
-torch's tinygemm, 1.17–1.2× the time of only reading the weight), at M = 16 1.55–1.7×, at M = 64 0.97–1.16× (the attention shapes: 1.04–1.33×
-at M = 16, 0.83–1.03× at M = 64); W8A16 at M = 1 1.6–1.7×. What bounds them (Nsight Compute,
-benchmarks/profile_wna16.py, before DENORM): the GEMV was issue-bound — 4.1
-instructions per weight (LOP3, the float32 `q − z`, the FMA, and the activations' trip
-through shared memory), 255 registers, 8 warps per SM, one issued every 1.7 cycles; the
-tensor-core kernel at M = 16 waits on global loads (occupancy 25%) and at M = 64 on shared
+torch's tinygemm; 1.16–1.19× the time of only reading the weight), at M = 16 1.55–1.7×, at
+M = 64 0.97–1.16× (the attention shapes: 1.04–1.33× at M = 16, 0.83–1.03× at M = 64); W8A16
+at M = 1 1.6–1.7×. What bounds them (Nsight Compute, benchmarks/profile_wna16.py, before
+DENORM): the GEMV was issue-bound — 4.1 instructions per weight (LOP3, the float32 `q − z`,
+the FMA, and the activations' trip through shared memory), 255 registers, 8 warps per SM, one
+issued every 1.7 cycles; the tensor-core kernel at M = 16 waits on global loads (occupancy 25%) and at M = 64 on shared
 memory (the MIO queue, 52% of stalls).
 """
 
@@ -285,7 +285,8 @@ def _fma_code(acc, w, z, xs, magic, I: tl.constexpr, BITS: tl.constexpr, DENORM:
 def _fma_codes(w, z, xv, magic, BITS: tl.constexpr, DENORM: tl.constexpr):
     """Σ (q − z)·x over one block `w [BN, 8]`, slot by slot: `xv [8·P]` (stored order, slot s
     of word j at P·j + s) is split into the P per-slot vectors by register-only reshapes.
-    DENORM: Σ q·x in units of 2^(DENORM_X − 149), from activations scaled by `_gemv_inputs`."""
+    DENORM: Σ q·x in units of 2^(DENORM_X − 149), from activations scaled by
+    `_denormal_scale` (the zero point is the caller's)."""
     wh = _high(w)
     acc = tl.zeros([w.shape[0]], dtype=tl.float32)
     if BITS == 4:
@@ -603,7 +604,8 @@ def _gemv_meta(kw: dict) -> dict:
 # splits). With whole-wave splits one- and two-warp programs are within 5% of each other on
 # the Qwen2-7B MLP shapes at M = 1 on an H200 (qwen_up: 1 warp, split 7 = 518 programs,
 # 20.5 µs; qwen_down: 2 warps, split 38, 22.2 µs; the best power of 2 22.5 and 23.4 µs;
-# benchmarks/wna16_sweep.py); four-warp ones slower.
+# benchmarks/wna16_sweep.py); four-warp ones slower. With DENORM (session 9) the picks were
+# qwen_up 2 warps split 11, 19.8 µs; qwen_down 1 warp split 38, 20.5 µs.
 GEMV_CONFIGS = [triton.Config(_gemv_meta(dict(BLOCK_N=128 * w, SPLIT_K=sk, PF=pf, DENORM=dn)),
                               num_warps=w, num_stages=1, maxnreg=r)
                 for w, regs in ((1, (None, 128)), (2, (None,))) for r in regs
