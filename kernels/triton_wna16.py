@@ -58,8 +58,8 @@ M = 64 0.97–1.16× (the attention shapes: 1.04–1.33× at M = 16, 0.83–1.03
 at M = 1 1.6–1.7×. What bounds them (Nsight Compute, benchmarks/profile_wna16.py, before
 DENORM): the GEMV was issue-bound — 4.1 instructions per weight (LOP3, the float32 `q − z`,
 the FMA, and the activations' trip through shared memory), 255 registers, 8 warps per SM, one
-issued every 1.7 cycles; the tensor-core kernel at M = 16 waits on global loads (occupancy 25%) and at M = 64 on shared
-memory (the MIO queue, 52% of stalls).
+issued every 1.7 cycles; the tensor-core kernel at M = 16 waits on global loads (occupancy
+25%) and at M = 64 on shared memory (the MIO queue, 52% of stalls).
 """
 
 from __future__ import annotations
