@@ -8,8 +8,8 @@ The codes and scales are bit-identical to the torch path on the same device — 
 quantization measured there: `s = max(absmax / 127, 1e-10)`, which torch computes as an IEEE
 division on the CPU but as a multiply by the float32 reciprocal on CUDA (a tensor divided by a
 Python scalar; 4.5% of random absmax values get another last bit), then `x / s` in IEEE float32
-(`div_rn`; Triton's `/` is the approximate `div.full.f32`), rounded half to even (adding and subtracting 1.5·2²³, exact for
-|y| < 2²²) and clamped to [−128, 127]. FP8 inputs stay on the torch ops: the Triton 3.9
+(`div_rn`; Triton's `/` is the approximate `div.full.f32`), rounded half to even (adding and
+subtracting 1.5·2²³, exact for |y| < 2²²) and clamped to [−128, 127]. FP8 inputs stay on the torch ops: the Triton 3.9
 interpreter's float32 → e4m3 cast is wrong (−128 came out as −64), so CI could not check a
 Triton FP8 path.
 """

@@ -285,8 +285,11 @@ def _fma_code(acc, w, z, xs, magic, I: tl.constexpr, BITS: tl.constexpr, DENORM:
 def _fma_codes(w, z, xv, magic, BITS: tl.constexpr, DENORM: tl.constexpr):
     """Σ (q − z)·x over one block `w [BN, 8]`, slot by slot: `xv [8·P]` (stored order, slot s
     of word j at P·j + s) is split into the P per-slot vectors by register-only reshapes.
-    DENORM: Σ q·x in units of 2^(DENORM_X − 149), from activations scaled by
-    `_denormal_scale` (the zero point is the caller's)."""
+    DENORM: Σ q·x from denormal codes (`_denormal_code`) and activations scaled by
+    `_denormal_scale`, minus z·Σ x once per block."""
+    if DENORM:
+        xsum = tl.sum(xv, axis=0)
+        xv = xv * _denormal_scale(tl.arange(0, xv.shape[0]), BITS)
     wh = _high(w)
     acc = tl.zeros([w.shape[0]], dtype=tl.float32)
     if BITS == 4:
@@ -313,6 +316,8 @@ def _fma_codes(w, z, xv, magic, BITS: tl.constexpr, DENORM: tl.constexpr):
         acc = _fma_code(acc, w, z, x1, magic, 1, 8, DENORM)
         acc = _fma_code(acc, wh, z, x2, magic, 2, 8, DENORM)
         acc = _fma_code(acc, wh, z, x3, magic, 3, 8, DENORM)
+    if DENORM:  # Σ (q − z)·x = Σ q·x − z·Σ x
+        acc = acc * (2.0 ** (149 - DENORM_X)) - tl.reshape(z, (w.shape[0],)) * xsum
     return acc
 
 
@@ -397,12 +402,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
         else:
             xv, s, z = _gemv_inputs(x_row, s_ptr, z_ptr, b, b1, k_in, s, z, offs_n, n_mask, N,
                                     K, NG, BITS, GROUP)
-        if DENORM:
-            xsum = tl.sum(xv, axis=0)
-            xv = xv * _denormal_scale(tl.arange(0, BK), BITS)
         part = _fma_codes(w, z, xv, magic32, BITS, DENORM)
-        if DENORM:  # Σ (q − z)·x = Σ q·x − z·Σ x
-            part = part * (2.0 ** (149 - DENORM_X)) - tl.reshape(z, (BLOCK_N,)) * xsum
         if GROUP > 0:
             acc += part * tl.reshape(s, (BLOCK_N,))
         else:
