@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from quantlab.kernels.ops import autotune_bench
 
@@ -19,10 +20,14 @@ SENTINEL = 0x5EED1234
 
 @triton.jit
 def _read_kernel(qw_ptr, s_ptr, z_ptr, y_ptr, M, N, NBLK, NG, sentinel, SPLIT_K,
-                 GROUP_BLOCKS: tl.constexpr, HAS_GROUPS: tl.constexpr, BLOCK_N: tl.constexpr):
+                 GROUP_BLOCKS: tl.constexpr, HAS_GROUPS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PDL: tl.constexpr = False):
     """XOR of the word rows [8·b0, 8·b1) of `qw [8·NBLK, N]` (int32) for BLOCK_N columns, and
     with HAS_GROUPS of each block's scales and zeros row (one per GROUP_BLOCKS blocks, bf16
-    `[NG, N]`), as the GEMV reads them."""
+    `[NG, N]`), as the GEMV reads them. PDL (with `launch_pdl=True`): the next kernel may
+    launch at once; the store waits for the previous kernel (which may read y)."""
+    if PDL:
+        gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -43,6 +48,8 @@ def _read_kernel(qw_ptr, s_ptr, z_ptr, y_ptr, M, N, NBLK, NG, sentinel, SPLIT_K,
             acc ^= sz[:, None]
     hit = tl.xor_sum(acc, axis=1) == sentinel
     out = tl.where(hit, 1.0, 0.0).to(y_ptr.dtype.element_ty)
+    if PDL:
+        gdc_wait()
     for m in range(M):
         tl.store(y_ptr + m * N + offs_n, out, mask=n_mask)
 

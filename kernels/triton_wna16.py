@@ -69,6 +69,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from quantlab.kernels.layout import BLOCK_K, PackedWNA16
 from quantlab.kernels.ops import autotune_bench, interpret_mode, sm_count
@@ -364,14 +365,22 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
                  M, N, K, NBLK, NG, stride_xm, stride_ym, magic32,
                  BITS: tl.constexpr, GROUP: tl.constexpr,
                  SPLIT_K, BLOCK_N: tl.constexpr, SPLIT_P2: tl.constexpr, PF: tl.constexpr = True,
-                 DENORM: tl.constexpr = False):
+                 DENORM: tl.constexpr = False, PDL: tl.constexpr = 0):
     """See the module docstring; one token row per grid row (program_id 2). A `[BLOCK_N, 8]`
     block with BLOCK_N = 128·num_warps gives each thread all 8 words of its 4 columns. GROUP:
     0 (per-channel) or a multiple of the block (one group per block). The next block's words
     are loaded before the current one is used; with PF its activations, scales and zeros too
-    (each iteration would otherwise wait on those loads)."""
+    (each iteration would otherwise wait on those loads).
+
+    PDL (launched with `launch_pdl=True`, Hopper's programmatic dependent launch): the first
+    block's words, scales and zeros are loaded before waiting on the previous kernel, which
+    wrote x — weights never depend on it — and the next kernel may launch from the start of
+    the loop (PDL = 2) or after it (PDL = 1). Nothing in the workspace is touched before the
+    wait, so overlapping GEMVs share it safely."""
     BK: tl.constexpr = 256 // BITS
     OUT: tl.constexpr = y_ptr.dtype.element_ty
+    if PDL == 2:
+        gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m = tl.program_id(2)
@@ -388,6 +397,8 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
     z = _col_params(z_ptr, 0, offs_n, n_mask, N)
     w_ptrs = qw_ptr + (b0 * 8 + offs_j)[None, :] * N + offs_n[:, None]
     w_next = tl.load(w_ptrs, mask=(offs_n < tl.where(b0 < b1, N, 0))[:, None], other=0)
+    if PDL > 0:
+        gdc_wait()
     if PF:
         x_next, s_next, z_next = _gemv_inputs(x_row, s_ptr, z_ptr, b0, b1, k_in, s, z, offs_n,
                                               n_mask, N, K, NG, BITS, GROUP)
@@ -407,6 +418,8 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
             acc += part * tl.reshape(s, (BLOCK_N,))
         else:
             acc += part
+    if PDL == 1:
+        gdc_launch_dependents()
     if GROUP == 0:
         acc = acc * tl.reshape(s, (BLOCK_N,))
     _finish(acc, y_ptr + m * stride_ym + offs_n, ws_ptr + m * N + offs_n, M * N, n_mask, cnt_ptr,

@@ -253,6 +253,58 @@ def test_gemv_denormal_codes_over_activation_magnitudes(bits, magnitude, dtype):
     assert errs[1] < TOL[dtype] and errs[1] <= 1.5 * errs[0] + 1e-6
 
 
+# Compiled ahead of time for sm_90 in a child process: under TRITON_INTERPRET=1 (set above)
+# `triton.jit` gives interpreter functions, which cannot be compiled.
+_PDL_PTX = """
+import json, sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from quantlab.kernels.triton_wna16 import _gemv_kernel
+sig = {n: "*bf16" for n in ("x_ptr", "s_ptr", "z_ptr", "y_ptr")}
+sig.update(qw_ptr="*i32", ws_ptr="*fp32", cnt_ptr="*i32", **{n: "i32" for n in (
+    "M", "N", "K", "NBLK", "NG", "stride_xm", "stride_ym", "magic32", "SPLIT_K")})
+out = {}
+for pdl in (0, 2):
+    consts = dict(BITS=4, GROUP=128, BLOCK_N=128, SPLIT_P2=8, PF=True, DENORM=True, PDL=pdl)
+    src = ASTSource(_gemv_kernel, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=1, num_stages=1, launch_pdl=bool(pdl)))
+    out[pdl] = k.asm["ptx"]
+json.dump(out, sys.stdout)
+"""
+
+
+@needs_triton
+def test_gemv_pdl_loads_words_before_waiting_on_the_previous_kernel():
+    """With PDL (benchmarks/pdl_chain.py) the GEMV may start while the kernel that writes its
+    activations is still running: compiled for sm_90 (on the CPU, no GPU needed), it lets the
+    next kernel launch before any load, loads weight words before `griddepcontrol.wait`, and
+    every 16-bit load (activations, scales, zeros) and workspace atomic comes after the wait.
+    Without PDL no grid-dependency instruction is emitted."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _PDL_PTX], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    ptx = json.loads(res.stdout)
+    assert "griddepcontrol" not in ptx["0"]
+    lines = [ln.strip() for ln in ptx["2"].splitlines()]
+
+    def first(pred) -> int:
+        return next(i for i, ln in enumerate(lines) if pred(ln))
+
+    wait = first(lambda ln: ln.startswith("griddepcontrol.wait"))
+    launch = first(lambda ln: ln.startswith("griddepcontrol.launch_dependents"))
+    loads = [i for i, ln in enumerate(lines) if "ld.global" in ln]
+    assert launch < loads[0]
+    assert any("ld.global.b32" in lines[i] or "ld.global.v" in lines[i] for i in loads if i < wait)
+    assert all(i > wait for i in loads if ".b16" in lines[i] or ".u16" in lines[i])
+    assert all(i > wait for i, ln in enumerate(lines) if ln.startswith(("atom.", "@%p")) and "atom." in ln)
+
+
 @needs_triton
 def test_wna16_gemv_rejects_groups_smaller_than_a_block():
     from quantlab.kernels.triton_wna16 import gemv_ok, wna16_matmul
