@@ -78,11 +78,19 @@ class WeightStage(Strict):
         return _scheme_from_preset(value)
 
 
-class RtnStage(WeightStage):
+class HeadOption(Strict):
+    """For stages that can also quantize the output projection."""
+
+    lm_head: bool = Field(default=False, description=(
+        "also quantize lm_head with this scheme, on the last layer's outputs (tied input "
+        "embeddings are untied and stay float); cuts decode reads by the head's share"))
+
+
+class RtnStage(WeightStage, HeadOption):
     """Round-to-nearest: the baseline every other algorithm must beat."""
 
 
-class GptqStage(WeightStage):
+class GptqStage(WeightStage, HeadOption):
     """GPTQ: Hessian-guided column-by-column rounding with error compensation (needs calibration)."""
 
     damp_percent: float = Field(default=0.01, gt=0, le=1, description="fraction of mean diag(H) added to diag(H)")
@@ -234,6 +242,18 @@ class Recipe(Strict):
             if not v.prompts:
                 raise ValueError("verify.prompts: give prompts or a dataset to cut them from (verify.dataset, "
                                  "evaluate.perplexity.dataset or calibration.dataset)")
+        return self
+
+    @model_validator(mode="after")
+    def _head_exports(self) -> "Recipe":
+        from quantlab.export.registry import HEAD_FORMATS, refuses_quantized_head
+
+        heads = [f"stages[{i}].{e.kind}.lm_head" for i, e in enumerate(self.stages)
+                 if getattr(e.config, "lm_head", False)]
+        refused = [f for f in self.export if refuses_quantized_head(f)]
+        if heads and refused:
+            raise ValueError(f"{heads[0]}: export {refused[0]} keeps lm_head in float and cannot carry its codes; "
+                             f"export as {', '.join(HEAD_FORMATS)} or set lm_head: false")
         return self
 
     @property

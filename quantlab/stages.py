@@ -63,13 +63,15 @@ def quantize(ctx: RunContext) -> None:
     model = ctx.take_float_model()
     spec = arch_spec_for(model)
     algorithms = [build_algorithm(entry) for entry in ctx.recipe.stages]
+    head = [a for a, entry in zip(algorithms, ctx.recipe.stages) if getattr(entry.config, "lm_head", False)]
     ids = calibration_ids(ctx)
     start = time.perf_counter()
     scales: dict[str, torch.Tensor] = {}
     folded = {} if keeps_folded_weights(ctx.recipe.export) else None
-    with step(f"quantize ({' → '.join(e.kind for e in ctx.recipe.stages)})", len(spec.decoder_layers(model))) as update:
+    steps = len(spec.decoder_layers(model)) + bool(head)
+    with step(f"quantize ({' → '.join(e.kind for e in ctx.recipe.stages)})", steps) as update:
         quantized = run_sequential(model, spec, ids, algorithms, ctx.device, on_layer=update, scales=scales,
-                                   folded=folded)
+                                   folded=folded, head_algorithms=head)
     seconds = time.perf_counter() - start
     extra = {"stages": [e.dump() for e in ctx.recipe.stages],
              "quantize_seconds": round(seconds, 2), "source_model": ctx.recipe.model.id}

@@ -163,3 +163,41 @@ def test_folded_weights_are_what_the_winning_stage_rounded(stages: str) -> None:
         assert float((w - rounded).norm() / w.norm()) < 0.2, name
     if stages == "awq+gptq":  # AWQ rescaled some inputs: those weights are not the original ones
         assert any(not torch.equal(folded[n], original[n].half()) for n in quantized)
+
+
+def test_head_stage_unties_and_quantizes_lm_head_alone() -> None:
+    """`head_algorithms` quantize lm_head after the last layer: a tied embedding is copied
+    first, so the input embedding stays float while lm_head holds the dequantized codes."""
+    model = tiny_model("llama", seed=3)  # tied
+    embed = model.get_input_embeddings().weight.detach().clone()
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    quantized = run_sequential(model, arch_spec_for(model), ids(2), [RTN(SCHEME)], CPU,
+                               head_algorithms=[RTN(SCHEME)])
+    assert "lm_head" in quantized and len(quantized) == 2 * 7 + 1
+    assert torch.equal(quantized["lm_head"].codes, quantize_weight(embed, SCHEME).codes)
+    assert torch.equal(model.get_input_embeddings().weight, embed)
+    assert torch.equal(model.lm_head.weight, quantized["lm_head"].dequantize())
+    assert model.config.tie_word_embeddings is False
+
+
+def test_gptq_head_compensates_on_the_final_norm_outputs() -> None:
+    """GPTQ on lm_head observes what the head really reads (the final norm of the last layer's
+    quantized outputs): its logits on those inputs are closer to the float head's than RTN's."""
+    from quantlab.algorithms.gptq import GPTQ
+
+    calib = ids(8, length=32, seed=5)
+    outs = {}
+    for name, head in (("rtn", RTN(SCHEME)), ("gptq", GPTQ(SCHEME))):
+        model = tiny_model("qwen2", seed=6)  # untied
+        w = model.lm_head.weight.detach().clone()
+        captured = []
+        model.model.norm.register_forward_hook(lambda _m, _a, out: captured.append(out.detach()))
+        quantized = run_sequential(model, arch_spec_for(model), calib, [RTN(SCHEME)], CPU, batch_size=4,
+                                   head_algorithms=[head])
+        with torch.no_grad():
+            model(calib)  # the quantized body: the head's inputs as GPTQ saw them
+        x = captured[-1].reshape(-1, w.shape[1])
+        outs[name] = float((x @ quantized["lm_head"].dequantize().t() - x @ w.t()).norm())
+        if name == "gptq":
+            assert head.stats["lm_head"]["tokens"] == calib.numel()
+    assert outs["gptq"] < 0.9 * outs["rtn"], outs

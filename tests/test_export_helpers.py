@@ -32,9 +32,10 @@ def act_order_quantize(w: torch.Tensor, scheme: WeightScheme, seed: int) -> Quan
 
 def make_canonical(root: Path, tokenizer, model_type: str = "llama", scheme: WeightScheme | None = None,
                    act_order: bool = False, skip: tuple[str, ...] = (), seed: int = 0, folded: bool = False,
-                   **dims) -> Path:
+                   head: bool = False, **dims) -> Path:
     """A canonical directory of a tiny model, RTN (or act-order) codes; `folded` also keeps the
-    float weights before rounding, as the quantize stage does for K-quant exports."""
+    float weights before rounding, as the quantize stage does for K-quant exports; `head` also
+    quantizes lm_head (untied from the embedding, as a stage's `lm_head: true` does)."""
     scheme = scheme or WeightScheme(bits=4, symmetric=False, group_size=32)
     model = tiny_model(model_type, seed=seed, **{**EXPORT_DIMS, **dims})
     spec = ARCH_SPECS[model_type]
@@ -47,6 +48,11 @@ def make_canonical(root: Path, tokenizer, model_type: str = "llama", scheme: Wei
             w = layer.get_submodule(lin).weight.detach()
             quantized[name] = act_order_quantize(w, scheme, seed * 100 + i * 10 + j) if act_order \
                 else quantize_weight(w, scheme)
+    if head:
+        from quantlab.engine.sequential import untie_lm_head
+
+        untie_lm_head(model)
+        quantized["lm_head"] = quantize_weight(model.lm_head.weight.detach(), scheme)
     target = root / "quantized"
     floats = {name: model.get_submodule(name).weight.detach() for name in quantized} if folded else None
     save_canonical(target, model, quantized, tokenizer, {"source_model": f"tiny-{model_type}"}, folded=floats)

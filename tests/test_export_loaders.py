@@ -145,6 +145,30 @@ def test_compressed_tensors_loads_in_transformers(tmp_path, tokenizer, model_typ
     assert torch.allclose(logits(loaded, ids), ref, atol=1e-5, rtol=0)
 
 
+def test_compressed_tensors_carries_a_quantized_lm_head(tmp_path, tokenizer):
+    """A run with `lm_head: true` (tied llama, so the head is untied first): transformers +
+    compressed-tensors load lm_head from its packed codes and compute the fake-quant logits;
+    formats that keep lm_head float refuse the run instead of dropping its codes."""
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM
+
+    from quantlab.errors import UserError
+
+    canonical = make_canonical(tmp_path, tokenizer, "llama", SYM, head=True)
+    out = tmp_path / "ct"
+    report = api.export(canonical, out, "compressed-tensors")
+    assert report.facts["quantized Linears"] == 2 * 7 + 1
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert not loaded.config.tie_word_embeddings
+    ids = sample_ids()
+    ref = logits(load_fake_quant_model(canonical), ids)
+    assert torch.allclose(logits(loaded, ids), ref, atol=1e-5, rtol=0)
+    for fmt in ("awq", "gptq", "gguf-q4_0", "trtllm", "paddlenlp"):
+        with pytest.raises(UserError, match=rf"^{fmt}: this run quantized lm_head"):
+            api.export(canonical, tmp_path / fmt, fmt)
+        assert not (tmp_path / fmt).exists()
+
+
 @pytest.mark.parametrize("scheme", [ASYM, SYM, WeightScheme(bits=8, symmetric=False, group_size=None)],
                          ids=lambda s: s.name)
 def test_compressed_tensors_decompressor_reads_the_layout(tmp_path, tokenizer, scheme):

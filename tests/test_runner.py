@@ -324,10 +324,48 @@ def test_decode_benchmark_smoke(tmp_path):
     spec = importlib.util.spec_from_file_location("decode_bench", REPO / "benchmarks" / "decode.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    bench.main(["--tiny", "--schemes", "hf-bf16,bf16,w4a16,fp8", "--batches", "2", "--repeats", "1",
+    bench.main(["--tiny", "--schemes", "hf-bf16,bf16,w4a16,fp8,w4a16-head", "--batches", "2", "--repeats", "1",
                 "--new-tokens", "4", "--out", str(tmp_path)])
     res = json.loads((tmp_path / "decode_cpu_tiny.json").read_text())
-    assert [r["scheme"] for r in res["rows"]] == ["hf-bf16", "bf16", "w4a16", "fp8"]
+    assert [r["scheme"] for r in res["rows"]] == ["hf-bf16", "bf16", "w4a16", "fp8", "w4a16-head"]
     assert all(r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["batch"] == 2 for r in res["rows"])
     assert res["versions"]["torch"] == torch.__version__ and [b["bar"] for b in res["bars"]] == []
     assert "| w4a16 | 2 |" in (tmp_path / "decode_cpu_tiny.md").read_text()
+    gb = {r["scheme"]: r["weight_gb"] for r in res["rows"]}
+    assert gb["w4a16-head"] < 0.8 * gb["w4a16"]  # the int4 head reads a quarter of the bf16 one
+
+
+def test_quantized_lm_head_runs_end_to_end(tiny_model_dir, tmp_path):
+    """`gptq: {lm_head: true}` on a tied model: the head is quantized on the last layer's
+    outputs, the canonical form is untied, the runner decodes it with the W4A16 backend and
+    matches the fake-quant model, and the compressed-tensors export carries it."""
+    from quantlab.pipeline import run_recipe
+    from quantlab.recipe import validate_recipe
+
+    raw = {"name": "h", "seed": 0, "device": "cpu", "model": {"id": str(tiny_model_dir)},
+           "calibration": {"dataset": {"source": str(WIKI_TEST)}, "num_samples": 4, "seq_len": 32},
+           "stages": [{"gptq": {"weights": {"bits": 4, "group_size": 32}, "lm_head": True}}],
+           "verify": {"num_prompts": 2, "prompt_tokens": 8, "max_new_tokens": 4, "perplexity_windows": 2,
+                      "seq_len": 32, "dataset": {"source": str(WIKI_TEST)}},
+           "export": ["compressed-tensors"], "output": {"dir": str(tmp_path / "run")}}
+    run = run_recipe(validate_recipe(raw))
+    quantized = run.path / "quantized"
+    assert "lm_head" in json.loads((quantized / "quant_config.json").read_text())["modules"]
+    assert json.loads((quantized / "config.json").read_text())["tie_word_embeddings"] is False
+    runner = load_runner(run.path)
+    assert isinstance(runner.lm_head, rl.WNA16Linear)
+    v = json.loads((run.path / "reports" / "report.json").read_text())["verify"]
+    assert v["greedy_agreement"] == 1.0 and abs(v["perplexity"]["rel_diff_pct"]) < 1e-3
+    assert (run.path / "export" / "compressed-tensors" / "config.json").is_file()
+
+
+def test_lm_head_recipe_refuses_exports_that_keep_it_float():
+    from quantlab.errors import UserError
+    from quantlab.recipe import validate_recipe
+
+    raw = {"name": "h", "seed": 0, "model": {"id": "m"}, "stages": [{"rtn": {"lm_head": True}}]}
+    with pytest.raises(UserError, match=r"stages\[0\]\.rtn\.lm_head: export gptq keeps lm_head in float"):
+        validate_recipe({**raw, "export": ["compressed-tensors", "gptq"]})
+    assert validate_recipe({**raw, "export": ["compressed-tensors"]}).stages[0].rtn.lm_head
+    with pytest.raises(UserError, match=r"stages\[0\]\.awq\.lm_head: .*unknown key"):
+        validate_recipe({**raw, "stages": [{"awq": {"lm_head": True}}]})

@@ -39,7 +39,7 @@ class ActRanges:
     def targets(self, ctx: LayerContext) -> list[str]:
         if self.activations is None:
             return []
-        return [n for n in ctx.spec.linears if not is_ignored(f"{ctx.prefix}.{n}", self.ignore)]
+        return [n for n in ctx.spec.linears if not is_ignored(ctx.full_name(n), self.ignore)]
 
     def apply(self, ctx: LayerContext) -> dict[str, QuantizedWeight]:
         ctx.spec.require_dense("act_ranges")

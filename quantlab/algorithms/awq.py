@@ -416,7 +416,7 @@ class AWQ:
         return stats
 
     def _targets(self, ctx: LayerContext) -> list[str]:
-        return [n for n in ctx.spec.linears if not is_ignored(f"{ctx.prefix}.{n}", self.ignore)]
+        return [n for n in ctx.spec.linears if not is_ignored(ctx.full_name(n), self.ignore)]
 
     def _scale_group(
         self, ctx: LayerContext, prev_name: str, names: list[str], targets: list[str],

@@ -370,7 +370,7 @@ class GPTQ:
     stats: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def apply(self, ctx: LayerContext) -> dict[str, QuantizedWeight]:
-        targets = [n for n in ctx.spec.linears if not is_ignored(f"{ctx.prefix}.{n}", self.ignore)]
+        targets = [n for n in ctx.spec.linears if not is_ignored(ctx.full_name(n), self.ignore)]
         groups = ctx.spec.sequential if self.true_sequential else (ctx.spec.linears,)
         plan = [names for group in groups if (names := [n for n in group if n in targets])]
         result: dict[str, QuantizedWeight] = {}
@@ -399,7 +399,7 @@ class GPTQ:
             lin = ctx.linear(name)
             out[name] = qw = quantize_weight(lin.weight.data, self.scheme)
             lin.weight.data.copy_(qw.dequantize().to(lin.weight.dtype))
-            self.stats[f"{ctx.prefix}.{name}"] = {"tokens": 0}
+            self.stats[ctx.full_name(name)] = {"tokens": 0}
         return out
 
     def _quantize_set(self, ctx: LayerContext, names: list[str], h: torch.Tensor,
@@ -421,7 +421,7 @@ class GPTQ:
         for name, lin, qw in zip(names, linears, _split_rows(res.weight, rows)):
             lin.weight.data.copy_(qw.dequantize().to(lin.weight.dtype))  # later groups see it
             out[name] = qw
-            self.stats[f"{ctx.prefix}.{name}"] = {"damp": res.damp, "retries": res.retries, "loss": res.loss,
+            self.stats[ctx.full_name(name)] = {"damp": res.damp, "retries": res.retries, "loss": res.loss,
                                                   "tokens": tokens}
         return out
 

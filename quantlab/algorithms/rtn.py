@@ -19,5 +19,5 @@ class RTN:
         return {
             name: quantize_weight(ctx.linear(name).weight.data, self.scheme)
             for name in ctx.spec.linears
-            if not is_ignored(f"{ctx.prefix}.{name}", self.ignore)
+            if not is_ignored(ctx.full_name(name), self.ignore)
         }

@@ -182,7 +182,7 @@ class SmoothQuant:
                 s, alpha = self._search(torch.cat(seen.sample), linears, x_absmax, w_absmax)
             else:
                 s, alpha = smoothing_scales(x_absmax, w_absmax, self.alpha), self.alpha
-            self.chosen[f"{ctx.prefix}.{group.prev}"] = alpha
+            self.chosen[ctx.full_name(group.prev)] = alpha
             if alpha is not None:
                 fold_scales(ctx.layer, group, s)
         return {}

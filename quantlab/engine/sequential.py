@@ -48,6 +48,10 @@ class LayerContext:
     def linear(self, name: str) -> nn.Linear:
         return self.layer.get_submodule(name)
 
+    def full_name(self, name: str) -> str:
+        """A layer-relative module name as the model names it (the head's prefix is empty)."""
+        return f"{self.prefix}.{name}" if self.prefix else name
+
     def forward(self) -> list[torch.Tensor]:
         """Run the layer over every calibration batch (hooks attached by callers observe it)."""
         with torch.no_grad():
@@ -139,43 +143,100 @@ def run_sequential(
     on_layer: Callable[[int, int], None] | None = None,
     scales: dict[str, torch.Tensor] | None = None,
     folded: dict[str, torch.Tensor] | None = None,
+    head_algorithms: list[LayerAlgorithm] | None = None,
 ) -> dict[str, QuantizedWeight]:
     """Quantize every decoder layer in order; returns canonical codes keyed by full Linear name.
     Ranges the algorithms put in `ctx.scales` are added to `scales` (if given) under full names;
     `folded` (if given) receives each quantized Linear's float weight as the stage whose codes
-    won rounded it (scales folded, clipped), in fp16 on the CPU."""
-    observe = not all(getattr(algorithm, "data_free", False) for algorithm in algorithms)
+    won rounded it (scales folded, clipped), in fp16 on the CPU. `head_algorithms` (if any) then
+    quantize `lm_head` on the last layer's outputs (`quantize_head`)."""
+    head_algorithms = head_algorithms or []
+    observe = not all(getattr(a, "data_free", False) for a in [*algorithms, *head_algorithms])
     batches = capture_layer0_inputs(model, spec, input_ids, batch_size, device) if observe else []
     layers = spec.decoder_layers(model)
+    steps = len(layers) + bool(head_algorithms)
     quantized: dict[str, QuantizedWeight] = {}
     for index, layer in enumerate(layers):
         layer.to(device)
         batches = [Batch(b.hidden.to(device), _to(b.kwargs, device)) for b in batches]
         ctx = LayerContext(index, f"{spec.layers}.{index}", layer, spec, batches, device)
-        rounded_from: dict[str, torch.Tensor] = {}
-        for algorithm in algorithms:
-            before = _linear_weights(layer) if folded is not None and \
-                getattr(algorithm, "rounds_in_place", False) else None
-            codes = algorithm.apply(ctx)
-            if folded is not None:
-                rounded_from.update({name: before[name] if before is not None else _half_cpu(ctx.linear(name))
-                                     for name in codes})
-            ctx.quantized.update(codes)
-        # Write the codes back only once every stage ran (a later stage's codes win): a stage
-        # after AWQ (rtn, gptq) must re-encode AWQ's rescaled float weights, not its rounding.
-        if folded is not None:
-            folded.update({f"{ctx.prefix}.{name}": rounded_from[name] for name in ctx.quantized})
-        for name, qw in ctx.quantized.items():
-            ctx.linear(name).weight.data.copy_(qw.dequantize().to(ctx.linear(name).weight.dtype))
+        _quantize_block(ctx, algorithms, folded)
         if observe:
             batches = [Batch(out, b.kwargs) for out, b in zip(ctx.forward(), batches)]
         layer.to("cpu")
-        quantized.update({f"{ctx.prefix}.{name}": _cpu(qw) for name, qw in ctx.quantized.items()})
-        if scales is not None:
-            scales.update({f"{ctx.prefix}.{name}": t.detach().cpu() for name, t in ctx.scales.items()})
+        _collect(ctx, quantized, scales)
         if on_layer:
-            on_layer(index + 1, len(layers))
+            on_layer(index + 1, steps)
+    if head_algorithms:
+        _collect(quantize_head(model, batches, head_algorithms, device, folded), quantized, scales)
+        if on_layer:
+            on_layer(steps, steps)
     return quantized
+
+
+class Head(nn.Module):
+    """The final norm and the output projection as one block whose module names are the
+    model's (`model.norm`, `lm_head`), so algorithms quantize lm_head as a layer's Linear."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.norm = norm
+        self.lm_head = lm_head
+
+    def forward(self, hidden: torch.Tensor, **_: Any) -> torch.Tensor:
+        return self.lm_head(self.model.norm(hidden))
+
+
+def untie_lm_head(model: nn.Module) -> None:
+    """Give lm_head its own copy of tied input embeddings (the embedding stays float while the
+    head is quantized) and record the model as untied."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head.weight.data_ptr() == embed.weight.data_ptr():
+        head.weight = nn.Parameter(embed.weight.detach().clone(), requires_grad=False)
+    model.config.tie_word_embeddings = False
+
+
+def quantize_head(model: nn.Module, batches: list[Batch], algorithms: list[LayerAlgorithm],
+                  device: torch.device, folded: dict[str, torch.Tensor] | None) -> LayerContext:
+    """Quantize lm_head with `algorithms`, observing the final norm's input (the last decoder
+    layer's outputs, `batches`); tied embeddings are untied first."""
+    from quantlab.models.arch import HEAD_SPEC
+
+    untie_lm_head(model)
+    head = Head(model.get_submodule(HEAD_SPEC.scaling[0].prev), model.get_output_embeddings()).to(device)
+    batches = [Batch(b.hidden.to(device), _to(b.kwargs, device)) for b in batches]
+    ctx = LayerContext(-1, "", head, HEAD_SPEC, batches, device)
+    _quantize_block(ctx, algorithms, folded)
+    head.to("cpu")
+    return ctx
+
+
+def _quantize_block(ctx: LayerContext, algorithms: list[LayerAlgorithm],
+                    folded: dict[str, torch.Tensor] | None) -> None:
+    """Run the algorithms on one block in recipe order, then write the winning codes back."""
+    rounded_from: dict[str, torch.Tensor] = {}
+    for algorithm in algorithms:
+        before = _linear_weights(ctx.layer) if folded is not None and \
+            getattr(algorithm, "rounds_in_place", False) else None
+        codes = algorithm.apply(ctx)
+        if folded is not None:
+            rounded_from.update({name: before[name] if before is not None else _half_cpu(ctx.linear(name))
+                                 for name in codes})
+        ctx.quantized.update(codes)
+    # Write the codes back only once every stage ran (a later stage's codes win): a stage
+    # after AWQ (rtn, gptq) must re-encode AWQ's rescaled float weights, not its rounding.
+    if folded is not None:
+        folded.update({ctx.full_name(name): rounded_from[name] for name in ctx.quantized})
+    for name, qw in ctx.quantized.items():
+        ctx.linear(name).weight.data.copy_(qw.dequantize().to(ctx.linear(name).weight.dtype))
+
+
+def _collect(ctx: LayerContext, quantized: dict[str, QuantizedWeight],
+             scales: dict[str, torch.Tensor] | None) -> None:
+    quantized.update({ctx.full_name(name): _cpu(qw) for name, qw in ctx.quantized.items()})
+    if scales is not None:
+        scales.update({ctx.full_name(name): t.detach().cpu() for name, t in ctx.scales.items()})
 
 
 def _half_cpu(linear: nn.Module) -> torch.Tensor:

@@ -96,7 +96,7 @@ def quantization_config(src: Canonical) -> dict[str, Any]:
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights_args(src.scheme, fmt),
                                       "input_activations": acts, "output_activations": None, "format": fmt}},
         "kv_cache_scheme": kv_args(src.kv_cache) if src.kv_cache else None,
-        "ignore": ["lm_head", *src.unquantized_linears()],
+        "ignore": [*(["lm_head"] if "lm_head" not in src.quantized else []), *src.unquantized_linears()],
         "quantization_status": "compressed", "sparsity_config": {}, "transform_config": {},
         "global_compression_ratio": None, "version": CT_VERSION,
     }
@@ -336,7 +336,8 @@ def validate(path: Path) -> Report:
         check_bias(report, tensors, config, name, out_f)
 
     expected = check_layout(report, path, config, tensors, skip, per_linear,
-                            weight_is_quantized=fmt != "pack-quantized")
+                            weight_is_quantized=fmt != "pack-quantized",
+                            head_quantized="lm_head" not in qcfg.get("ignore", []))
     if kv is not None:
         _validate_kv(report, tensors, config, kv)
     report.facts.update({"format": fmt, "bits": bits, "group_size": gs, "symmetric": sym, "strategy": strategy,

@@ -70,11 +70,12 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def check_layout(report: Report, path: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
                  skip: set[str], per_linear: Callable[[str, int, int], None],
-                 weight_is_quantized: bool = False) -> list[str]:
+                 weight_is_quantized: bool = False, head_quantized: bool = False) -> list[str]:
     """Names every Linear the config implies, checks its quantized tensors through `per_linear`
     and the float tensors (embedding, norms, head); returns the expected Linear names.
     `weight_is_quantized`: the format keeps the codes in `.weight` itself (int8 / FP8), so
-    `per_linear` checks its dtype instead of its absence."""
+    `per_linear` checks its dtype instead of its absence. `head_quantized`: lm_head is one of
+    the quantized Linears (untied from the embedding)."""
     check_index(report, path)
     spec = ARCH_SPECS.get(config.get("model_type", ""))
     if not report.check("architecture", "config.json.model_type", spec is not None,
@@ -97,7 +98,12 @@ def check_layout(report: Report, path: Path, config: dict[str, Any], tensors: di
             report.tensor(tensors, f"{spec.layers}.{i}.{norm}.weight", _FLOATS, (hidden,))
     report.tensor(tensors, "model.embed_tokens.weight", _FLOATS, (vocab, hidden))
     report.tensor(tensors, "model.norm.weight", _FLOATS, (hidden,))
-    if not config.get("tie_word_embeddings", False):
+    if head_quantized:
+        report.check("a quantized lm_head is untied", "config.json.tie_word_embeddings",
+                     not config.get("tie_word_embeddings", False), "true, but lm_head has its own codes")
+        expected.append("lm_head")
+        per_linear("lm_head", vocab, hidden)
+    elif not config.get("tie_word_embeddings", False):
         report.tensor(tensors, "lm_head.weight", _FLOATS, (vocab, hidden))
     report.facts["quantized Linears"] = len(expected)
     return expected

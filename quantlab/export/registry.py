@@ -15,6 +15,16 @@ FORMATS: tuple[str, ...] = get_args(ExportFormat)
 K_QUANTS = ("q4_k_m", "q5_k_m", "q6_k")
 
 
+# Formats that carry a quantized lm_head (a stage's `lm_head: true`); the others keep it float
+# by design (AutoAWQ / GPTQ checkpoints, GGUF's Q types for token_embd/output, the TensorRT-LLM
+# and PaddleNLP layouts quantlab writes) and refuse such a run rather than drop its codes.
+HEAD_FORMATS = ("compressed-tensors",)
+
+
+def refuses_quantized_head(fmt: str) -> bool:
+    return fmt not in HEAD_FORMATS
+
+
 def keeps_folded_weights(formats: list[str]) -> bool:
     return any(fmt.removeprefix("gguf-") in K_QUANTS for fmt in formats if fmt.startswith("gguf-"))
 

@@ -121,6 +121,11 @@ def _per_expert(group: ScalingGroup, n: int) -> list[tuple[str, tuple[str, ...]]
             for e in range(n)]
 
 
+# The output projection as a block of its own, quantized after the last decoder layer when a
+# stage says `lm_head: true` (`engine.sequential.quantize_head`); names are the model's.
+HEAD_SPEC = ArchSpec("lm_head", layers="", sequential=(("lm_head",),),
+                     scaling=(ScalingGroup("model.norm", ("lm_head",)),))
+
 # The fused experts of transformers' Mixtral / Qwen2-MoE become `mlp.experts.{e}.{gate,up,down}_proj`
 # Linears (quantlab.models.moe). The router `mlp.gate` and Qwen2-MoE's `mlp.shared_expert_gate`
 # read the post-attention norm's output too: they absorb its scales but stay in float.
