@@ -86,11 +86,11 @@ class HeadOption(Strict):
         "embeddings are untied and stay float); cuts decode reads by the head's share"))
 
 
-class RtnStage(WeightStage, HeadOption):
+class RtnStage(HeadOption, WeightStage):
     """Round-to-nearest: the baseline every other algorithm must beat."""
 
 
-class GptqStage(WeightStage, HeadOption):
+class GptqStage(HeadOption, WeightStage):
     """GPTQ: Hessian-guided column-by-column rounding with error compensation (needs calibration)."""
 
     damp_percent: float = Field(default=0.01, gt=0, le=1, description="fraction of mean diag(H) added to diag(H)")

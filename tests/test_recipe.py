@@ -121,7 +121,8 @@ def test_resolved_dump_loads_back_identically(path: Path) -> None:
 def test_resolved_dump_keeps_per_channel() -> None:
     recipe = validate_recipe(minimal() | {"stages": [{"rtn": {"weights": "W8A16"}}]})
     raw = yaml.safe_load(dump_recipe(recipe))
-    assert raw["stages"] == [{"rtn": {"weights": PRESETS["W8A16"].model_dump(mode="json"), "ignore": []}}]
+    assert raw["stages"] == [{"rtn": {"weights": PRESETS["W8A16"].model_dump(mode="json"), "ignore": [],
+                                      "lm_head": False}}]
     assert raw["stages"][0]["rtn"]["weights"]["group_size"] is None
     assert validate_recipe(raw).stages[0].config.weights.group_size is None
 
