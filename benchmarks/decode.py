@@ -200,7 +200,10 @@ def measure(model, label: str, args, device: torch.device, vocab: int, hf: bool 
             embed = model.get_input_embeddings().weight  # one row per token is read, not the table
             wbytes = sum(p.numel() * p.element_size() for p in model.parameters()) - embed.numel() * embed.element_size()
         else:
+            model.set_attention(args.attention)
             res = time_runner(model, prompts, args.new_tokens, args.repeats, args.decode)
+            if args.attention != "torch":
+                res["decode_mode"] += f" + {args.attention} attention"
             wbytes = weight_bytes(model)  # Linears incl. lm_head; the embedding table is not read whole
         row = {"scheme": label, "batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                **res, "weight_gb": wbytes / 1e9,
@@ -378,6 +381,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help=f"comma-separated subset of {','.join(SCHEMES)}")
     ap.add_argument("--decode", choices=("auto", "eager", "graphs", "compile"), default="auto",
                     help="runner decode step: CUDA graph on a GPU by default, eager on CPU")
+    ap.add_argument("--attention", choices=("torch", "triton"), default="torch",
+                    help="the runner's decode attention: torch ops, or the flash-decoding kernel")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = ap.parse_args(argv)

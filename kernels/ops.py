@@ -123,6 +123,39 @@ def _(xq, sx, w, scale, zc, out_dtype):
     return xq.new_empty(xq.shape[0], w.shape[0], dtype=out_dtype)
 
 
+@torch.library.custom_op("quantlab::decode_attention", mutates_args=())
+def _decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                         pos: torch.Tensor, k_scale: torch.Tensor | None,
+                         v_scale: torch.Tensor | None) -> torch.Tensor:
+    return _decode_attention_direct(q, k, v, mask, pos, k_scale, v_scale)
+
+
+@_decode_attention_op.register_fake
+def _(q, k, v, mask, pos, k_scale, v_scale):
+    return torch.empty_like(q)
+
+
+def _decode_attention_direct(q, k, v, mask, pos, k_scale, v_scale):
+    from quantlab.kernels.triton_attention import decode_attention as kernel
+
+    return kernel(q, k, v, mask, pos, k_scale, v_scale)
+
+
+def decode_attention_ok(q: torch.Tensor) -> bool:
+    """Whether the Triton decode-attention kernel takes `q [B, H, D]` here (D a power of two)."""
+    d = q.shape[-1]
+    return use_triton(q) and d >= 16 and d & (d - 1) == 0
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     pos: torch.Tensor, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per row over the static KV cache (`triton_attention.decode_attention`); the
+    caller checks `decode_attention_ok` and keeps its torch path otherwise."""
+    fn = _decode_attention_op if torch.compiler.is_compiling() else _decode_attention_direct
+    return fn(q, k, v, mask, pos, k_scale, v_scale)
+
+
 def _wna16_direct(x, qweight, scales, zeros, perm, bits, group_size, in_features, out_features, impl):
     from quantlab.kernels.triton_wna16 import wna16_matmul
 

@@ -305,6 +305,109 @@ def test_gemv_pdl_loads_words_before_waiting_on_the_previous_kernel():
     assert all(i > wait for i, ln in enumerate(lines) if ln.startswith(("atom.", "@%p")) and "atom." in ln)
 
 
+def _attention_case(dtype, cache: str, seed: int = 0):
+    """q, the cache (float or 8-bit codes with per-head scales), a left-padded mask and the
+    step's position; the torch decode path (`runner.model.attend` over `codes.decode`) as the
+    reference. S = 45 is no multiple of the kernel's 32-key block; 3 query heads per KV head."""
+    from quantlab.runner.codes import decode, encode
+    from quantlab.runner.model import attend
+
+    g = torch.Generator().manual_seed(seed)
+    b, h, kvh, s, d = 2, 6, 2, 45, 16
+    q = torch.randn(b, h, d, generator=g).to(dtype)
+    k, v = (torch.randn(b, kvh, s, d, generator=g) for _ in range(2))
+    pos, pad = 37, torch.tensor([0, 5])
+    keys = torch.arange(s)
+    mask = (keys[None, :] <= pos) & (keys[None, :] >= pad[:, None])
+    scales = (None, None)
+    if cache != "float":
+        scales = tuple(torch.rand(kvh, generator=g) * 0.05 + 0.01 for _ in range(2))
+        k, v = (encode(t, sc.view(1, -1, 1, 1), cache) for t, sc in zip((k, v), scales))
+        k_ref, v_ref = (decode(t, sc.view(1, -1, 1, 1), dtype) for t, sc in zip((k, v), scales))
+    else:
+        k, v = k.to(dtype), v.to(dtype)
+        k_ref, v_ref = k, v
+    ref = attend(q[:, :, None], k_ref, v_ref, mask[:, None, None, :])[:, :, 0]
+    if cache != "float":  # the exact cache values, not rounded to the compute dtype
+        k_ref, v_ref = (decode(t, sc.view(1, -1, 1, 1), torch.float64) for t, sc in zip((k, v), scales))
+    truth = attend(q[:, :, None].double(), k_ref.double(), v_ref.double(), mask[:, None, None, :])[:, :, 0]
+    return (q, k, v, mask, torch.tensor([pos]), *scales), ref, truth
+
+
+@needs_triton
+@pytest.mark.parametrize("cache", ["float", "int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_matches_the_torch_path(dtype, cache):
+    """Flash-decoding over the static cache, as stored (C8 codes dequantized per key block),
+    against the runner's torch decode path: float32 agrees to rounding. In bf16 the two round
+    differently (the kernel keeps float32 scores; the interpreter truncates f32 → bf16, also
+    where it dequantizes codes), so each is checked against float64: the kernel's error stays
+    within 3× the torch path's own."""
+    from quantlab.kernels.triton_attention import decode_attention
+
+    args, ref, truth = _attention_case(dtype, cache)
+    out = decode_attention(*(a.to(DEV) if a is not None else None for a in args)).cpu()
+    assert out.dtype == dtype and out.shape == ref.shape
+    if dtype == torch.float32:
+        assert rel_err(out, ref) < 1e-5, rel_err(out, ref)
+    else:
+        assert rel_err(out, truth) < 3 * rel_err(ref, truth), (rel_err(out, truth), rel_err(ref, truth))
+
+
+@needs_triton
+def test_decode_attention_never_reads_past_the_step():
+    """Keys after the step's position are not read even where the mask allows them (a captured
+    graph attends over the whole cache): NaNs stored there change nothing."""
+    from quantlab.kernels.triton_attention import decode_attention
+
+    (q, k, v, mask, pos, *_), ref, _ = _attention_case(torch.float32, "float", seed=3)
+    k[:, :, 38:], v[:, :, 38:] = float("nan"), float("nan")
+    out = decode_attention(q.to(DEV), k.to(DEV), v.to(DEV), torch.ones_like(mask).to(DEV), pos.to(DEV)).cpu()
+    assert torch.isfinite(out).all()
+    dense = decode_attention(q.to(DEV), k.to(DEV), v.to(DEV), mask.to(DEV), pos.to(DEV)).cpu()
+    assert rel_err(dense, ref) < 1e-5
+
+
+@needs_triton
+@pytest.mark.parametrize("cache", ["float", "int8", "fp8"])
+def test_runner_decodes_through_the_attention_kernel(monkeypatch, cache):
+    """`Transformer.set_attention("triton")`: every decode step's attention goes through the
+    kernel, reading the cache as stored (C8 codes too), with a left-padded row and the whole
+    cache attended (as under CUDA graphs); logits match the torch path's."""
+    from conftest import tiny_model
+    from quantlab.errors import UserError
+    from quantlab.runner import from_hf_model
+    from quantlab.runner.kv import KVQuant
+
+    calls = []
+    direct = ops._decode_attention_direct
+    monkeypatch.setattr(ops, "_decode_attention_direct", lambda *a: calls.append(1) or direct(*a))
+    runner = from_hf_model(tiny_model("llama", seed=2)).to(DEV)
+    if cache != "float":
+        absmax = torch.tensor([3.0, 4.0])  # per KV head; K/V of the tiny model stay within
+        for layer in runner.model.layers:
+            layer.self_attn.kv_quant = KVQuant.from_absmax(cache, absmax, absmax * 0.5, per_head=True)
+        runner.max_batch = 0  # rebuild the caches with codes
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(7)).to(DEV)
+
+    def decode_logits() -> torch.Tensor:
+        runner.setup_caches(2, 24)
+        runner.set_padding(torch.tensor([0, 3]))  # row 1: three leading pad positions
+        out = [runner(ids[:, :6], torch.arange(6, device=DEV))]
+        out += [runner(ids[:, t:t + 1], torch.tensor([t], device=DEV)) for t in range(6, 16)]
+        return torch.cat(out, 1).cpu()
+
+    ref = decode_logits()
+    runner.set_attention("triton")
+    got = decode_logits()
+    assert len(calls) == 10 * len(runner.model.layers)  # every decode step, every layer
+    assert (got - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
+    if cache != "float":
+        assert runner.model.layers[0].self_attn.kv_cache.k.dtype != torch.float32
+    with pytest.raises(UserError, match="attention: choose from torch, triton"):
+        runner.set_attention("flash")
+
+
 @needs_triton
 def test_wna16_gemv_rejects_groups_smaller_than_a_block():
     from quantlab.kernels.triton_wna16 import gemv_ok, wna16_matmul
@@ -446,25 +549,31 @@ def test_linear_entry_points_use_the_kernels():
 @needs_triton
 def test_custom_ops_only_under_torch_compile(monkeypatch):
     """Eager calls launch the kernels directly (the custom op's dispatch is host time an eager
-    prefill waits on); under torch.compile each GEMM is the custom op, one opaque node, so the
-    whole function traces without a graph break."""
+    prefill waits on); under torch.compile each GEMM and the decode attention is the custom op,
+    one opaque node, so the whole function traces without a graph break."""
     x = torch.randn(3, 96).half().to(DEV)
     p4 = layout.pack_wna16(canonical(48, 96, 4, 32), torch.float16).to(DEV)
     p8 = layout.quantize_int8_weight(torch.randn(48, 96)).to(DEV)
 
+    (q, k, v, mask, pos, ks, vs), *_ = _attention_case(torch.float16, "int8")
+    cache = tuple(t.to(DEV) for t in (k, v, mask, pos, ks, vs))
+    q = q.to(DEV)
+
     def both(x):
-        return ops.wna16_linear(x, p4) + ops.w8a8_linear(x, p8)
+        y = ops.wna16_linear(x, p4) + ops.w8a8_linear(x, p8)
+        return y, ops.decode_attention(q * y[0, 0], *cache)
 
     eager = both(x)
     traced = torch.compile(both, backend="aot_eager", fullgraph=True)(x)
-    assert torch.equal(traced, eager)
+    assert all(torch.equal(a, b) for a, b in zip(traced, eager))
 
     def refuse(*args):
         raise AssertionError("the custom op ran eagerly")
 
     monkeypatch.setattr(ops, "_wna16_mm_op", refuse)
     monkeypatch.setattr(ops, "_scaled_mm_op", refuse)
-    assert torch.equal(both(x), eager)
+    monkeypatch.setattr(ops, "_decode_attention_op", refuse)
+    assert all(torch.equal(a, b) for a, b in zip(both(x), eager))
 
 
 @needs_triton

@@ -53,10 +53,8 @@ class KVCache(nn.Module):
     def max_seq_len(self) -> int:
         return self.k.shape[2]
 
-    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               attend_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write `k, v [B, kv_heads, L, D]` at `input_pos [L]`; return the first `attend_len`
-        positions (all when None) in the compute dtype."""
+    def write(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store `k, v [B, kv_heads, L, D]` at `input_pos [L]` (as codes under C8)."""
         if self.kind is None:
             self.k.index_copy_(2, input_pos, k.to(self.dtype))
             self.v.index_copy_(2, input_pos, v.to(self.dtype))
@@ -64,6 +62,19 @@ class KVCache(nn.Module):
             # as bytes: index_copy_ has no float8 kernels
             self.k.view(torch.uint8).index_copy_(2, input_pos, encode(k, self.k_scale, self.kind).view(torch.uint8))
             self.v.view(torch.uint8).index_copy_(2, input_pos, encode(v, self.v_scale, self.kind).view(torch.uint8))
+
+    def head_scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The C8 scales as `[kv_heads]` float32 views (what the decode-attention kernel takes;
+        per-tensor scales are stored expanded per head), or Nones."""
+        if self.kind is None:
+            return None, None
+        return self.k_scale.reshape(-1), self.v_scale.reshape(-1)
+
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               attend_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write `k, v [B, kv_heads, L, D]` at `input_pos [L]`; return the first `attend_len`
+        positions (all when None) in the compute dtype."""
+        self.write(input_pos, k, v)
         k_all, v_all = (self.k, self.v) if attend_len is None else (self.k[:, :, :attend_len], self.v[:, :, :attend_len])
         if self.kind is None:
             return k_all, v_all

@@ -21,9 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantlab.errors import UserError
+from quantlab.kernels import ops
 from quantlab.runner.kv import KVCache, KVQuant
 
 SUPPORTED = ("llama", "qwen2", "mistral")
+ATTENTION = ("torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,7 @@ class Attention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.kv_quant = kv_quant
         self.kv_cache: KVCache | None = None
+        self.fused_decode = False  # decode steps through kernels/triton_attention (Transformer.set_attention)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 input_pos: torch.Tensor, attend_len: int | None) -> torch.Tensor:
@@ -138,6 +141,11 @@ class Attention(nn.Module):
         k = k.view(b, length, kvh, d).transpose(1, 2)
         v = v.view(b, length, kvh, d).transpose(1, 2)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        if length == 1 and self.fused_decode and ops.decode_attention_ok(q):
+            cache = self.kv_cache
+            cache.write(input_pos, k, v)
+            y = ops.decode_attention(q[:, :, 0], cache.k, cache.v, mask[:, 0, 0], input_pos, *cache.head_scales())
+            return self.o_proj(y.reshape(b, 1, h * d))
         k, v = self.kv_cache.update(input_pos, k, v, attend_len)
         y = attend(q, k, v, mask)
         return self.o_proj(y.transpose(1, 2).reshape(b, length, h * d))
@@ -201,6 +209,15 @@ class Transformer(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
+
+    def set_attention(self, kind: str) -> None:
+        """Decode-step attention: "torch" (`attend`: matmuls and a softmax over the cache, C8
+        dequantized first) or "triton" (one flash-decoding kernel reading the cache as stored,
+        up to the step's position; where Triton runs, else the torch path)."""
+        if kind not in ATTENTION:
+            raise UserError(f"attention: choose from {', '.join(ATTENTION)}, got {kind!r}")
+        for layer in self.model.layers:
+            layer.self_attn.fused_decode = kind == "triton"
 
     def setup_caches(self, batch: int, max_seq_len: int) -> None:
         """Allocate the KV caches and the RoPE table; reused while large enough (and the batch

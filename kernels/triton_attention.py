@@ -1,0 +1,141 @@
+"""Decode attention (one query token per row) over the static KV cache, flash-decoding style.
+
+Why a kernel: the runner's torch decode path (`quantlab.runner.model.attend`) is two batched
+matmuls and a softmax per layer, over the whole cache while a CUDA graph is captured, and with
+an 8-bit (C8) cache it first dequantizes every cached position to the compute dtype, each step,
+each layer. This kernel reads the cache once as stored — bf16 / fp16 / fp32, or int8 / FP8
+codes times a per-KV-head scale — stops at the step's own position (read from a device tensor,
+so a captured graph stays valid as the sequence grows) and splits the keys over programs, so a
+batch-1 step still spreads over the GPU.
+
+Two launches: per (row, KV head, split) the running max, the sum of exponentials and the
+weighted values of the KV head's query heads (the GQA group, padded to 16 rows for the MMA);
+then their combination. Scores stay float32 (the torch path rounds q·k to the compute dtype
+first), so the two agree to that rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from quantlab.kernels.ops import interpret_mode, sm_count
+from quantlab.kernels.triton_wna16 import _dot
+
+BLOCK_S = 32  # keys per inner iteration
+
+
+@triton.jit
+def _partial_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, mask_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
+                    S, KVH, CHUNK, sm_scale, stride_qb, stride_qh, stride_kb, stride_kh, stride_ks,
+                    stride_vb, stride_vh, stride_vs, stride_mb,
+                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                    BLOCK_S: tl.constexpr, CODES: tl.constexpr, UPCAST: tl.constexpr):
+    """Keys [split·CHUNK, min((split + 1)·CHUNK, pos + 1)) of one (row, KV head)."""
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    nsplit = tl.num_programs(1)
+    b = bh // KVH
+    h = bh % KVH
+    end = tl.minimum(tl.load(pos_ptr) + 1, S)  # the step's position is the last one it may see
+    start = split * CHUNK
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, D)
+    g_mask = offs_g < GROUP
+    q = tl.load(q_ptr + b * stride_qb + (h * GROUP + offs_g)[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None], other=0.0)
+    if CODES:
+        k_scale = tl.load(ks_ptr + h)
+        v_scale = tl.load(vs_ptr + h)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    k_row = k_ptr + b * stride_kb + h * stride_kh
+    v_row = v_ptr + b * stride_vb + h * stride_vh
+    for s0 in range(start, tl.minimum(start + CHUNK, end), BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        inside = offs_s < end
+        k = tl.load(k_row + offs_s[:, None] * stride_ks + offs_d[None, :], mask=inside[:, None], other=0.0)
+        v = tl.load(v_row + offs_s[:, None] * stride_vs + offs_d[None, :], mask=inside[:, None], other=0.0)
+        if CODES:  # as `runner.codes.decode`: code · scale, rounded to the compute dtype
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
+        seen = tl.load(mask_ptr + b * stride_mb + offs_s, mask=inside, other=0) != 0
+        s = _dot(q, tl.trans(k), tl.zeros([BLOCK_G, BLOCK_S], tl.float32), UPCAST) * sm_scale
+        s = tl.where(seen[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with no visible key
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], UPCAST)
+        m_i = m_new
+    row = bh * nsplit + split
+    tl.store(m_ptr + row * BLOCK_G + offs_g, m_i)
+    tl.store(l_ptr + row * BLOCK_G + offs_g, l_i)
+    tl.store(acc_ptr + (row * BLOCK_G + offs_g)[:, None] * D + offs_d[None, :], acc)
+
+
+@triton.jit
+def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, NSPLIT, KVH, stride_ob, stride_oh,
+                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr):
+    bh = tl.program_id(0)
+    b = bh // KVH
+    h = bh % KVH
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, D)
+    m_all = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    for i in range(NSPLIT):
+        m_all = tl.maximum(m_all, tl.load(m_ptr + (bh * NSPLIT + i) * BLOCK_G + offs_g))
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    total = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    for i in range(NSPLIT):
+        row = bh * NSPLIT + i
+        w = tl.exp(tl.load(m_ptr + row * BLOCK_G + offs_g) - m_safe)
+        total += w * tl.load(l_ptr + row * BLOCK_G + offs_g)
+        acc += w[:, None] * tl.load(acc_ptr + (row * BLOCK_G + offs_g)[:, None] * D + offs_d[None, :])
+    out = acc / total[:, None]
+    tl.store(out_ptr + b * stride_ob + (h * GROUP + offs_g)[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=(offs_g < GROUP)[:, None])
+
+
+def _chunk(length: int, programs: int, device: torch.device) -> int:
+    """Keys per split: about two programs per SM over the whole grid, whole inner blocks."""
+    want = max(1, 2 * sm_count(device, 4) // max(programs, 1))
+    return BLOCK_S * max(1, math.ceil(math.ceil(length / want) / BLOCK_S))
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     pos: torch.Tensor, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax attention of one query per row: `q [B, H, D]` over the cache `k, v [B, KVH, S, D]`
+    (the compute dtype, or int8 / FP8 codes with `k_scale, v_scale [KVH]` float32), keys with
+    `mask [B, ≥ S]` true and positions ≤ `pos[0]` (int64, on the device). → `[B, H, D]` in q's
+    dtype (bf16 / fp16 on a GPU; float32 runs under the interpreter). D a power of two; query
+    head i reads KV head i // (H / KVH)."""
+    b, h, d = q.shape
+    kvh, s = k.shape[1], k.shape[2]
+    group = h // kvh
+    block_g = max(16, triton.next_power_of_2(group))
+    codes = k_scale is not None
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and q.stride(-1) == 1 and d == triton.next_power_of_2(d)
+    chunk = _chunk(s, b * kvh, q.device)
+    nsplit = triton.cdiv(s, chunk)
+    m = torch.empty(b * kvh * nsplit * block_g, dtype=torch.float32, device=q.device)
+    l_ = torch.empty_like(m)
+    acc = torch.empty(m.numel() * d, dtype=torch.float32, device=q.device)
+    mask8 = mask.view(torch.int8) if mask.dtype == torch.bool else mask
+    scales = (k_scale, v_scale) if codes else (m, m)  # unread without codes
+    _partial_kernel[(b * kvh, nsplit)](
+        q, k, v, *scales, mask8, pos, m, l_, acc, s, kvh, chunk, 1.0 / math.sqrt(d),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        mask8.stride(0), GROUP=group, BLOCK_G=block_g, D=d, BLOCK_S=BLOCK_S, CODES=codes,
+        UPCAST=interpret_mode(), num_warps=1 if interpret_mode() else 4)
+    out = torch.empty_like(q)
+    _combine_kernel[(b * kvh,)](m, l_, acc, out, nsplit, kvh, out.stride(0), out.stride(1),
+                                GROUP=group, BLOCK_G=block_g, D=d, num_warps=1 if interpret_mode() else 4)
+    return out
