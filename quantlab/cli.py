@@ -163,13 +163,15 @@ def generate_cmd(
     chat: Annotated[bool, typer.Option(help="wrap the prompt in the tokenizer's chat template")] = False,
     decode: Annotated[str, typer.Option(
         help="decode steps: auto (compile on a GPU, eager on the CPU) | eager | graphs | compile")] = "auto",
+    attention: Annotated[str, typer.Option(
+        help="decode attention: torch | triton (flash-decoding kernel over the cache as stored; on a GPU)")] = "torch",
 ) -> None:
     """Generate text with quantlab's runner from a run's quantized model, streaming to stdout."""
     from quantlab.runner.stream import run_generate
 
     _quiet_libraries()
     run_generate(run_dir, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                 seed=seed, device=device, chat=chat, decode=decode)
+                 seed=seed, device=device, chat=chat, decode=decode, attention=attention)
 
 
 @app.command("recipes")

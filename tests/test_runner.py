@@ -270,7 +270,8 @@ def test_cli_generate_streams_text(tmp_path, tokenizer, tiny_model_dir):
     assert sampled.exit_code == 0, sampled.output
     for args, field in ((["--temperature", "-1"], "--temperature"), (["--top-k", "0"], "--top-k"),
                         (["--max-new-tokens", "0"], "--max-new-tokens"), (["--decode", "fast"], "--decode"),
-                        (["--decode", "graphs", "--device", "cpu"], "--decode")):
+                        (["--decode", "graphs", "--device", "cpu"], "--decode"),
+                        (["--attention", "flash"], "--attention")):
         bad = cli.invoke(app, ["generate", str(tmp_path), "--prompt", "x", *args])
         assert bad.exit_code == 2 and field in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
     float_dir = cli.invoke(app, ["generate", str(tiny_model_dir), "--prompt", "The", "--max-new-tokens", "3",

@@ -46,12 +46,13 @@ def check_args(prompt: str, max_new_tokens: int, temperature: float, top_k: int 
 
 def run_generate(path: Path, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0,
                  top_k: int | None = None, seed: int = 0, device: str = "auto", chat: bool = False,
-                 out: TextIO | None = None, decode: str = "auto") -> None:
+                 out: TextIO | None = None, decode: str = "auto", attention: str = "torch") -> None:
     from transformers import AutoTokenizer
 
     from quantlab.context import pick_device
     from quantlab.runner.generate import DecodeMode, generate
     from quantlab.runner.load import load_runner, model_dir
+    from quantlab.runner.model import ATTENTION
 
     check_args(prompt, max_new_tokens, temperature, top_k)
     if device not in ("auto", "cpu", "cuda"):
@@ -61,6 +62,8 @@ def run_generate(path: Path, prompt: str, max_new_tokens: int = 64, temperature:
         raise UserError(f"--decode: got {decode!r}; one of {', '.join(get_args(DecodeMode))}")
     if decode == "graphs" and dev.type != "cuda":
         raise UserError(f"--decode graphs needs a CUDA device; the model runs on {dev.type}")
+    if attention not in ATTENTION:
+        raise UserError(f"--attention: got {attention!r}; one of {', '.join(ATTENTION)}")
     source = model_dir(Path(path))
     tokenizer = AutoTokenizer.from_pretrained(source)
     if chat:
@@ -74,6 +77,7 @@ def run_generate(path: Path, prompt: str, max_new_tokens: int = 64, temperature:
         raise UserError("--prompt: tokenizes to no tokens")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = load_runner(source, dev, dtype)
+    model.set_attention(attention)
     stream = TextStream(tokenizer, out or sys.stdout)
     start = time.perf_counter()
     result = generate(model, [ids], max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
