@@ -112,3 +112,18 @@ def test_canonical_round_trip_and_files(tmp_path, tokenizer):
     written = write_scale_tables(tmp_path / "q", from_disk)
     assert sorted(p.name for p in written) == ["act_scales.json", "cachekv_scales.json", "weight_scales.json"]
     assert json.loads((tmp_path / "q" / "act_scales.json").read_text()) == from_disk["act_scales.json"]
+
+
+def test_a_quantized_head_keeps_its_paddle_name():
+    """With `lm_head: true` the head's weight scale is `lm_head.weight_quanter` (a top-level
+    module in PaddleNLP), not under the decoder's prefix; its input stays float."""
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    stage = ActRanges(ActivationScheme(dynamic=False, granularity="tensor"), KVCacheScheme())
+    scales: dict[str, torch.Tensor] = {}
+    quantized = run_sequential(model, arch_spec_for(model), ids, [RTN(PRESETS["W8A16"]), stage], torch.device("cpu"),
+                               scales=scales, head_algorithms=[RTN(PRESETS["W8A16"])])
+    tables = scale_tables(model.config.to_dict(), canonical_entries(stage, scales), quantized, scales)
+    weights = tables["weight_scales.json"]
+    assert "lm_head.weight_quanter" in weights and not any("model.lm_head" in k or "qwen2.lm_head" in k for k in weights)
+    assert not any(k.startswith("lm_head") for k in tables["act_scales.json"])

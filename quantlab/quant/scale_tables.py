@@ -38,7 +38,10 @@ FILES = ("weight_scales.json", "act_scales.json", "cachekv_scales.json")
 
 
 def paddle_name(name: str, model_type: str) -> str:
-    """`model.layers.3.self_attn.q_proj` → `llama.layers.3.self_attn.q_proj`."""
+    """`model.layers.3.self_attn.q_proj` → `llama.layers.3.self_attn.q_proj`; the head keeps
+    its name (`lm_head`, a top-level module in PaddleNLP too)."""
+    if name == "lm_head":
+        return name
     prefix = PADDLE_PREFIX.get(model_type, model_type)
     return f"{prefix}.{name.removeprefix('model.')}"
 
