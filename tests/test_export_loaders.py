@@ -148,7 +148,8 @@ def test_compressed_tensors_loads_in_transformers(tmp_path, tokenizer, model_typ
 def test_compressed_tensors_carries_a_quantized_lm_head(tmp_path, tokenizer):
     """A run with `lm_head: true` (tied llama, so the head is untied first): transformers +
     compressed-tensors load lm_head from its packed codes and compute the fake-quant logits;
-    formats that keep lm_head float refuse the run instead of dropping its codes."""
+    formats that keep lm_head float refuse the run instead of dropping its codes (GPTQ carries
+    it: `test_gptq_loads_with_gptqmodel[lm_head]`)."""
     pytest.importorskip("compressed_tensors")
     from transformers import AutoModelForCausalLM
 
@@ -163,7 +164,7 @@ def test_compressed_tensors_carries_a_quantized_lm_head(tmp_path, tokenizer):
     ids = sample_ids()
     ref = logits(load_fake_quant_model(canonical), ids)
     assert torch.allclose(logits(loaded, ids), ref, atol=1e-5, rtol=0)
-    for fmt in ("awq", "gptq", "gguf-q4_0", "trtllm", "paddlenlp"):
+    for fmt in ("awq", "gguf-q4_0", "trtllm", "paddlenlp"):
         with pytest.raises(UserError, match=rf"^{fmt}: this run quantized lm_head"):
             api.export(canonical, tmp_path / fmt, fmt)
         assert not (tmp_path / fmt).exists()
@@ -221,10 +222,11 @@ def test_awq_loads_with_gptqmodel(tmp_path, tokenizer, model_type, scheme):
     assert_close_fp16(gptqmodel_logits(out, layer_class="Awq"), canonical)
 
 
-@pytest.mark.parametrize("case", ["sym", "asym", "act_order", "tail"])
+@pytest.mark.parametrize("case", ["sym", "asym", "act_order", "tail", "lm_head"])
 def test_gptq_loads_with_gptqmodel(tmp_path, tokenizer, case):
     kwargs = {"sym": dict(scheme=SYM), "asym": dict(scheme=ASYM), "act_order": dict(scheme=ASYM, act_order=True),
-              "tail": dict(scheme=ASYM, hidden_size=80, intermediate_size=160)}[case]
+              "tail": dict(scheme=ASYM, hidden_size=80, intermediate_size=160),
+              "lm_head": dict(scheme=ASYM, head=True)}[case]
     canonical = make_canonical(tmp_path, tokenizer, "qwen2" if case == "sym" else "llama", **kwargs)
     out = tmp_path / "gptq"
     api.export(canonical, out, "gptq")

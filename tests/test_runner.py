@@ -365,8 +365,8 @@ def test_lm_head_recipe_refuses_exports_that_keep_it_float():
     from quantlab.recipe import validate_recipe
 
     raw = {"name": "h", "seed": 0, "model": {"id": "m"}, "stages": [{"rtn": {"lm_head": True}}]}
-    with pytest.raises(UserError, match=r"stages\[0\]\.rtn\.lm_head: export gptq keeps lm_head in float"):
-        validate_recipe({**raw, "export": ["compressed-tensors", "gptq"]})
-    assert validate_recipe({**raw, "export": ["compressed-tensors"]}).stages[0].rtn.lm_head
+    with pytest.raises(UserError, match=r"stages\[0\]\.rtn\.lm_head: export awq keeps lm_head in float"):
+        validate_recipe({**raw, "export": ["compressed-tensors", "awq"]})
+    assert validate_recipe({**raw, "export": ["compressed-tensors", "gptq"]}).stages[0].rtn.lm_head
     with pytest.raises(UserError, match=r"stages\[0\]\.awq\.lm_head: .*unknown key"):
         validate_recipe({**raw, "stages": [{"awq": {"lm_head": True}}]})

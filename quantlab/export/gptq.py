@@ -93,7 +93,7 @@ def quantization_config(src: Canonical) -> dict[str, Any]:
     qcfg: dict[str, Any] = {
         "bits": scheme.bits, "group_size": scheme.group_size or -1, "desc_act": src.act_order,
         "sym": scheme.symmetric, "damp_percent": damp if damp is not None else 0.01, "static_groups": False,
-        "true_sequential": True, "lm_head": False, "quant_method": "gptq",
+        "true_sequential": True, "lm_head": "lm_head" in src.quantized, "quant_method": "gptq",
         "checkpoint_format": checkpoint_format_for(scheme),
         "pack_dtype": "int32", "meta": {"quantizer": ["quantlab:0.1.0"]},
     }
@@ -177,7 +177,7 @@ def validate(path: Path) -> Report:
                          f"sym is true but zero points do not decode to {2 ** (bits - 1)} ({fmt})")
         check_bias(report, tensors, config, name, out_f)
 
-    check_layout(report, path, config, tensors, skip, per_linear)
+    check_layout(report, path, config, tensors, skip, per_linear, head_quantized=bool(qcfg.get("lm_head")))
     report.facts.update({"bits": bits, "group_size": group, "sym": sym, "desc_act": desc_act,
                          "checkpoint_format": qcfg.get("checkpoint_format")})
     if report.ok:

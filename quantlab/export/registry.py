@@ -15,10 +15,10 @@ FORMATS: tuple[str, ...] = get_args(ExportFormat)
 K_QUANTS = ("q4_k_m", "q5_k_m", "q6_k")
 
 
-# Formats that carry a quantized lm_head (a stage's `lm_head: true`); the others keep it float
-# by design (AutoAWQ / GPTQ checkpoints, GGUF's Q types for token_embd/output, the TensorRT-LLM
-# and PaddleNLP layouts quantlab writes) and refuse such a run rather than drop its codes.
-HEAD_FORMATS = ("compressed-tensors",)
+# Formats that carry a quantized lm_head (a stage's `lm_head: true`; GPTQ as GPTQModel's
+# `lm_head: true`); the others keep it float as quantlab writes them (AutoAWQ checkpoints, the
+# GGUF, TensorRT-LLM and PaddleNLP layouts) and refuse such a run rather than drop its codes.
+HEAD_FORMATS = ("compressed-tensors", "gptq")
 
 
 def refuses_quantized_head(fmt: str) -> bool:
