@@ -75,6 +75,31 @@ def test_gguf_loads_in_transformers(tmp_path, tokenizer, model_type, qtype):
         assert tok(text)["input_ids"] == tokenizer(text)["input_ids"]
 
 
+def test_gguf_carries_a_quantized_lm_head(tmp_path, tokenizer):
+    """`lm_head: true` on a tied llama: Q4_0 writes the head's codes exactly as `output.weight`
+    beside the (Q8_0) token embedding, and transformers' GGUF loader computes what our reader
+    decodes, close to the fake-quant model."""
+    pytest.importorskip("gguf")
+    from transformers import AutoModelForCausalLM
+
+    from quantlab.export.source import read_sidecar
+
+    canonical = make_canonical(tmp_path, tokenizer, "llama", WeightScheme(bits=4, symmetric=True, group_size=32),
+                               head=True)
+    out = tmp_path / "gguf"
+    api.export(canonical, out, "gguf-q4_0")
+    assert read_sidecar(out)["modules"]["lm_head"] == {"tensor": "output.weight", "type": "Q4_0",
+                                                        "encoding": "transcoded"}
+    loaded = AutoModelForCausalLM.from_pretrained(out, gguf_file=next(out.glob("*.gguf")).name,
+                                                  dtype=torch.float32).eval()
+    assert not loaded.config.tie_word_embeddings
+    ids = sample_ids()
+    got = logits(loaded, ids)
+    assert torch.allclose(got, logits(with_decoded_gguf(canonical, out), ids), atol=1e-5, rtol=0)
+    ref = logits(load_fake_quant_model(canonical), ids)
+    assert float((got - ref).abs().max()) < 3e-2 * float(ref.abs().max())
+
+
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 def test_gguf_k_quant_through_llama_cpp_quantizer(tmp_path, tokenizer, model_type):
     """Q4_K_M: the folded weights as F16, re-quantized by llama.cpp (its tool environment); the
@@ -148,8 +173,8 @@ def test_compressed_tensors_loads_in_transformers(tmp_path, tokenizer, model_typ
 def test_compressed_tensors_carries_a_quantized_lm_head(tmp_path, tokenizer):
     """A run with `lm_head: true` (tied llama, so the head is untied first): transformers +
     compressed-tensors load lm_head from its packed codes and compute the fake-quant logits;
-    formats that keep lm_head float refuse the run instead of dropping its codes (GPTQ carries
-    it: `test_gptq_loads_with_gptqmodel[lm_head]`)."""
+    formats that keep lm_head float refuse the run instead of dropping its codes (GPTQ and GGUF
+    carry it: `test_gptq_loads_with_gptqmodel[lm_head]`, `test_gguf_carries_a_quantized_lm_head`)."""
     pytest.importorskip("compressed_tensors")
     from transformers import AutoModelForCausalLM
 
@@ -164,7 +189,7 @@ def test_compressed_tensors_carries_a_quantized_lm_head(tmp_path, tokenizer):
     ids = sample_ids()
     ref = logits(load_fake_quant_model(canonical), ids)
     assert torch.allclose(logits(loaded, ids), ref, atol=1e-5, rtol=0)
-    for fmt in ("awq", "gguf-q4_0", "trtllm", "paddlenlp"):
+    for fmt in ("awq", "trtllm", "paddlenlp"):
         with pytest.raises(UserError, match=rf"^{fmt}: this run quantized lm_head"):
             api.export(canonical, tmp_path / fmt, fmt)
         assert not (tmp_path / fmt).exists()

@@ -16,9 +16,10 @@ K_QUANTS = ("q4_k_m", "q5_k_m", "q6_k")
 
 
 # Formats that carry a quantized lm_head (a stage's `lm_head: true`; GPTQ as GPTQModel's
-# `lm_head: true`); the others keep it float as quantlab writes them (AutoAWQ checkpoints, the
-# GGUF, TensorRT-LLM and PaddleNLP layouts) and refuse such a run rather than drop its codes.
-HEAD_FORMATS = ("compressed-tensors", "gptq")
+# `lm_head: true`, GGUF as `output.weight`); the others keep it float as quantlab writes them
+# (AutoAWQ checkpoints, the TensorRT-LLM and PaddleNLP layouts) and refuse such a run rather
+# than drop its codes.
+HEAD_FORMATS = ("compressed-tensors", "gptq", *(f for f in FORMATS if f.startswith("gguf-")))
 
 
 def refuses_quantized_head(fmt: str) -> bool:
