@@ -37,6 +37,7 @@ import contextlib
 import gc
 import importlib.util
 import json
+import os
 import platform
 import re
 import statistics
@@ -204,6 +205,8 @@ def measure(model, label: str, args, device: torch.device, vocab: int, hf: bool 
             res = time_runner(model, prompts, args.new_tokens, args.repeats, args.decode)
             if args.attention != "torch":
                 res["decode_mode"] += f" + {args.attention} attention"
+            if args.pdl:
+                res["decode_mode"] += " + PDL"
             wbytes = weight_bytes(model)  # Linears incl. lm_head; the embedding table is not read whole
         row = {"scheme": label, "batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                **res, "weight_gb": wbytes / 1e9,
@@ -383,6 +386,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="runner decode step: CUDA graph on a GPU by default, eager on CPU")
     ap.add_argument("--attention", choices=("torch", "triton"), default="torch",
                     help="the runner's decode attention: torch ops, or the flash-decoding kernel")
+    ap.add_argument("--pdl", action="store_true",
+                    help="programmatic dependent launch (QUANTLAB_PDL=1): GEMV, attention and Inductor's "
+                         "decode-step kernels launch early on Hopper")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = ap.parse_args(argv)
@@ -400,6 +406,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     torch.set_grad_enabled(False)
+    if args.pdl:
+        os.environ["QUANTLAB_PDL"] = "1"  # read at each launch and when the decode step compiles
     res = run(args, on_rows=lambda partial: save(partial, args.out))
     stem = save(res, args.out)
     print(markdown(res))

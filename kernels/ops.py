@@ -75,6 +75,17 @@ def autotune_bench(fn: Callable[[], object], quantiles=None):
     return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
 
 
+def pdl_requested() -> bool:
+    """QUANTLAB_PDL=1: launch the GEMV and attention kernels with programmatic dependent launch
+    (and compile the decode step's glue with Inductor's PDL), for measuring on Hopper."""
+    return os.environ.get("QUANTLAB_PDL", "0") == "1"
+
+
+def pdl_on(t: torch.Tensor) -> bool:
+    """Whether a kernel launch on `t`'s device uses PDL (requested, sm_90+, not interpreted)."""
+    return pdl_requested() and t.is_cuda and not interpret_mode() and use_triton(t, (9, 0))
+
+
 def use_triton(t: torch.Tensor, min_capability: tuple[int, int] = (8, 0)) -> bool:
     """Whether a tensor on this device should go through the Triton kernels."""
     if not _TRITON:

@@ -22,7 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from quantlab.kernels.ops import interpret_mode, sm_count
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from quantlab.kernels.ops import interpret_mode, pdl_on, sm_count
 from quantlab.kernels.triton_wna16 import _dot
 
 BLOCK_S = 32  # keys per inner iteration
@@ -33,8 +35,13 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, mask_ptr, pos_ptr, m_pt
                     S, KVH, CHUNK, sm_scale, stride_qb, stride_qh, stride_kb, stride_kh, stride_ks,
                     stride_vb, stride_vh, stride_vs, stride_mb,
                     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                    BLOCK_S: tl.constexpr, CODES: tl.constexpr, UPCAST: tl.constexpr):
-    """Keys [split·CHUNK, min((split + 1)·CHUNK, pos + 1)) of one (row, KV head)."""
+                    BLOCK_S: tl.constexpr, CODES: tl.constexpr, UPCAST: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    """Keys [split·CHUNK, min((split + 1)·CHUNK, pos + 1)) of one (row, KV head). PDL: the
+    combination may launch at once; everything read here waits for the previous kernel."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     bh = tl.program_id(0)
     split = tl.program_id(1)
     nsplit = tl.num_programs(1)
@@ -81,7 +88,10 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, mask_ptr, pos_ptr, m_pt
 
 @triton.jit
 def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, NSPLIT, KVH, stride_ob, stride_oh,
-                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr):
+                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     bh = tl.program_id(0)
     b = bh // KVH
     h = bh % KVH
@@ -124,6 +134,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     codes = k_scale is not None
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and q.stride(-1) == 1 and d == triton.next_power_of_2(d)
     chunk = _chunk(s, b * kvh, q.device)
+    pdl = dict(PDL=True, launch_pdl=True) if pdl_on(q) else {}
     nsplit = triton.cdiv(s, chunk)
     m = torch.empty(b * kvh * nsplit * block_g, dtype=torch.float32, device=q.device)
     l_ = torch.empty_like(m)
@@ -134,8 +145,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         q, k, v, *scales, mask8, pos, m, l_, acc, s, kvh, chunk, 1.0 / math.sqrt(d),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         mask8.stride(0), GROUP=group, BLOCK_G=block_g, D=d, BLOCK_S=BLOCK_S, CODES=codes,
-        UPCAST=interpret_mode(), num_warps=1 if interpret_mode() else 4)
+        UPCAST=interpret_mode(), num_warps=1 if interpret_mode() else 4, **pdl)
     out = torch.empty_like(q)
     _combine_kernel[(b * kvh,)](m, l_, acc, out, nsplit, kvh, out.stride(0), out.stride(1),
-                                GROUP=group, BLOCK_G=block_g, D=d, num_warps=1 if interpret_mode() else 4)
+                                GROUP=group, BLOCK_G=block_g, D=d, num_warps=1 if interpret_mode() else 4, **pdl)
     return out

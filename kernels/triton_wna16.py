@@ -72,7 +72,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from quantlab.kernels.layout import BLOCK_K, PackedWNA16
-from quantlab.kernels.ops import autotune_bench, interpret_mode, sm_count
+from quantlab.kernels.ops import autotune_bench, interpret_mode, pdl_on, sm_count
 from quantlab.kernels.split_k import largest_split, split_total, split_workspaces, wave_splits
 
 MAGIC32 = 0x4B000000  # float32 bits of 2^23
@@ -753,7 +753,8 @@ def _launch_gemv(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, config: dic
     common = dict(BITS=p.bits, GROUP=p.group_constexpr)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"], m)  # noqa: E731
     kern = TUNERS["gemv"] if config is None else _gemv_kernel
-    kern[grid](*args, **common, **(config or {}))
+    pdl = dict(PDL=2, launch_pdl=True) if pdl_on(x) and not (config or {}).get("PDL") else {}
+    kern[grid](*args, **common, **(config or {}), **pdl)
 
 
 def _launch_fused(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, config: dict | None) -> None:

@@ -255,54 +255,104 @@ def test_gemv_denormal_codes_over_activation_magnitudes(bits, magnitude, dtype):
 
 # Compiled ahead of time for sm_90 in a child process: under TRITON_INTERPRET=1 (set above)
 # `triton.jit` gives interpreter functions, which cannot be compiled.
-_PDL_PTX = """
-import json, sys, triton
+_PTX = """
+import importlib, json, sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from quantlab.kernels.triton_wna16 import _gemv_kernel
-sig = {n: "*bf16" for n in ("x_ptr", "s_ptr", "z_ptr", "y_ptr")}
-sig.update(qw_ptr="*i32", ws_ptr="*fp32", cnt_ptr="*i32", **{n: "i32" for n in (
-    "M", "N", "K", "NBLK", "NG", "stride_xm", "stride_ym", "magic32", "SPLIT_K")})
-out = {}
-for pdl in (0, 2):
-    consts = dict(BITS=4, GROUP=128, BLOCK_N=128, SPLIT_P2=8, PF=True, DENORM=True, PDL=pdl)
-    src = ASTSource(_gemv_kernel, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=1, num_stages=1, launch_pdl=bool(pdl)))
-    out[pdl] = k.asm["ptx"]
-json.dump(out, sys.stdout)
+module, kernel, sig, consts, options = json.loads(sys.argv[1])
+fn = getattr(importlib.import_module(module), kernel)
+src = ASTSource(fn, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
+print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"])
 """
 
 
-@needs_triton
-def test_gemv_pdl_loads_words_before_waiting_on_the_previous_kernel():
-    """With PDL (benchmarks/pdl_chain.py) the GEMV may start while the kernel that writes its
-    activations is still running: compiled for sm_90 (on the CPU, no GPU needed), it lets the
-    next kernel launch before any load, loads weight words before `griddepcontrol.wait`, and
-    every 16-bit load (activations, scales, zeros) and workspace atomic comes after the wait.
-    Without PDL no grid-dependency instruction is emitted."""
+def sm90_ptx(module: str, kernel: str, sig: dict, consts: dict, **options) -> list[str]:
+    """The kernel's PTX for an H100 (no GPU needed), as stripped lines."""
     import json
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _PDL_PTX], capture_output=True, text=True, env=env,
-                         timeout=300)
+    res = subprocess.run([sys.executable, "-c", _PTX, json.dumps([module, kernel, sig, consts, options])],
+                         capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
-    ptx = json.loads(res.stdout)
-    assert "griddepcontrol" not in ptx["0"]
-    lines = [ln.strip() for ln in ptx["2"].splitlines()]
+    return [ln.strip() for ln in res.stdout.splitlines()]
 
-    def first(pred) -> int:
-        return next(i for i, ln in enumerate(lines) if pred(ln))
 
-    wait = first(lambda ln: ln.startswith("griddepcontrol.wait"))
-    launch = first(lambda ln: ln.startswith("griddepcontrol.launch_dependents"))
+def _first(lines: list[str], prefix: str) -> int:
+    return next(i for i, ln in enumerate(lines) if ln.startswith(prefix))
+
+
+GEMV_SIG = {**{n: "*bf16" for n in ("x_ptr", "s_ptr", "z_ptr", "y_ptr")}, "qw_ptr": "*i32", "ws_ptr": "*fp32",
+            "cnt_ptr": "*i32", **{n: "i32" for n in ("M", "N", "K", "NBLK", "NG", "stride_xm", "stride_ym",
+                                                      "magic32", "SPLIT_K")}}
+
+
+@needs_triton
+def test_gemv_pdl_loads_words_before_waiting_on_the_previous_kernel():
+    """With PDL (benchmarks/pdl_chain.py, QUANTLAB_PDL=1) the GEMV may start while the kernel
+    that writes its activations is still running: compiled for sm_90 (on the CPU, no GPU
+    needed), it lets the next kernel launch before any load, loads weight words before
+    `griddepcontrol.wait`, and every 16-bit load (activations, scales, zeros) and workspace
+    atomic comes after the wait. Without PDL no grid-dependency instruction is emitted."""
+    consts = dict(BITS=4, GROUP=128, BLOCK_N=128, SPLIT_P2=8, PF=True, DENORM=True)
+    mod = "quantlab.kernels.triton_wna16"
+    plain = sm90_ptx(mod, "_gemv_kernel", GEMV_SIG, {**consts, "PDL": 0}, num_warps=1, num_stages=1)
+    assert not any("griddepcontrol" in ln for ln in plain)
+    lines = sm90_ptx(mod, "_gemv_kernel", GEMV_SIG, {**consts, "PDL": 2}, num_warps=1, num_stages=1,
+                     launch_pdl=True)
+    wait, launch = _first(lines, "griddepcontrol.wait"), _first(lines, "griddepcontrol.launch_dependents")
     loads = [i for i, ln in enumerate(lines) if "ld.global" in ln]
     assert launch < loads[0]
     assert any("ld.global.b32" in lines[i] or "ld.global.v" in lines[i] for i in loads if i < wait)
     assert all(i > wait for i in loads if ".b16" in lines[i] or ".u16" in lines[i])
-    assert all(i > wait for i, ln in enumerate(lines) if ln.startswith(("atom.", "@%p")) and "atom." in ln)
+    assert all(i > wait for i, ln in enumerate(lines) if "atom." in ln)
+
+
+@needs_triton
+def test_attention_pdl_waits_before_every_load():
+    """Everything the attention kernels read (q, the cache, the mask, the partials) comes from
+    earlier kernels: under PDL each waits before its first global load."""
+    mod = "quantlab.kernels.triton_attention"
+    partial_sig = {**{n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr")},
+                   **{n: "*fp32" for n in ("ks_ptr", "vs_ptr", "m_ptr", "l_ptr", "acc_ptr")},
+                   "mask_ptr": "*i8", "pos_ptr": "*i64", "sm_scale": "fp32",
+                   **{n: "i32" for n in ("S", "KVH", "CHUNK", "stride_qb", "stride_qh", "stride_kb", "stride_kh",
+                                         "stride_ks", "stride_vb", "stride_vh", "stride_vs", "stride_mb")}}
+    combine_sig = {**{n: "*fp32" for n in ("m_ptr", "l_ptr", "acc_ptr")}, "out_ptr": "*bf16",
+                   **{n: "i32" for n in ("NSPLIT", "KVH", "stride_ob", "stride_oh")}}
+    for kernel, sig, consts in (
+            ("_partial_kernel", partial_sig, dict(GROUP=7, BLOCK_G=16, D=128, BLOCK_S=32, CODES=False, UPCAST=False)),
+            ("_combine_kernel", combine_sig, dict(GROUP=7, BLOCK_G=16, D=128))):
+        lines = sm90_ptx(mod, kernel, sig, {**consts, "PDL": True}, num_warps=4, launch_pdl=True)
+        wait = _first(lines, "griddepcontrol.wait")
+        assert _first(lines, "griddepcontrol.launch_dependents") < wait < min(
+            i for i, ln in enumerate(lines) if "ld.global" in ln), kernel
+
+
+@needs_triton
+def test_pdl_is_requested_only_on_hopper_launches(monkeypatch):
+    """QUANTLAB_PDL=1 adds the PDL launch options to GEMV launches where `pdl_on` holds (sm_90+,
+    compiled), never under the interpreter; the compiled decode step asks Inductor for PDL."""
+    from quantlab.kernels import triton_wna16
+    from quantlab.runner.generate import compile_options
+
+    assert compile_options() == {"triton.cudagraphs": True}
+    monkeypatch.setenv("QUANTLAB_PDL", "1")
+    assert compile_options() == {"triton.cudagraphs": True, "triton.enable_pdl": True}
+    assert not ops.pdl_on(torch.zeros(1, device=DEV)) or DEV == "cuda"
+    seen: dict = {}
+
+    class Launch:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.update(kwargs)
+
+    monkeypatch.setattr(triton_wna16, "_gemv_kernel", Launch())
+    monkeypatch.setattr(triton_wna16, "pdl_on", lambda t: True)
+    p = layout.pack_wna16(canonical(16, 128, 4, 64), torch.bfloat16).to(DEV)
+    triton_wna16.wna16_matmul(torch.randn(1, 128).bfloat16().to(DEV), p, impl="gemv",
+                              config=dict(BLOCK_N=64, SPLIT_K=2))
+    assert seen["PDL"] == 2 and seen["launch_pdl"] is True
 
 
 def _attention_case(dtype, cache: str, seed: int = 0):

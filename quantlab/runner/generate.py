@@ -24,6 +24,7 @@ from typing import Callable, Literal, Sequence
 
 import torch
 
+from quantlab.kernels import ops
 from quantlab.kernels.ops import capture_graph
 from quantlab.runner.model import Transformer
 
@@ -77,6 +78,13 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = N
     return (probs / race).argmax(dim=-1)
 
 
+def compile_options() -> dict[str, bool]:
+    """Inductor options of the compiled decode step: mode "reduce-overhead" (CUDA graphs), and
+    with QUANTLAB_PDL=1 Inductor's own kernels use programmatic dependent launch too, so the
+    glue around the GEMVs and attention lets them launch early."""
+    return {"triton.cudagraphs": True, **({"triton.enable_pdl": True} if ops.pdl_requested() else {})}
+
+
 class DecodeStep:
     """`step(tokens [B], pos: int) -> logits [B, V]`: one decode step, eager, graphed or compiled."""
 
@@ -92,7 +100,7 @@ class DecodeStep:
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._logits: torch.Tensor | None = None
-        self._compiled = torch.compile(self._forward, mode="reduce-overhead", fullgraph=False) \
+        self._compiled = torch.compile(self._forward, fullgraph=False, options=compile_options()) \
             if mode == "compile" else None
 
     def _forward(self) -> torch.Tensor:
