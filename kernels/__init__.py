@@ -1,9 +1,10 @@
-"""GEMM kernels for the runner (installed as `quantlab.kernels`).
+"""GEMM and decode-attention kernels for the runner (installed as `quantlab.kernels`).
 
 Packed layouts and repacking from quantlab's canonical form (`layout`), torch reference
-paths (`reference`), Triton kernels (`triton_wna16`, `triton_scaled`, `triton_act`, with the
-split-K reduction they share in `split_k`; imported lazily: this package imports without
-triton or a GPU) and the dispatching entry points (`ops`).
+paths (`reference`; the runner's own torch attention for `triton_attention`), Triton kernels
+(`triton_wna16`, `triton_scaled`, `triton_act`, `triton_attention`, with the split-K reduction
+the GEMMs share in `split_k`; imported lazily: this package imports without triton or a GPU)
+and the dispatching entry points (`ops`).
 """
 
 from quantlab.kernels.layout import (
