@@ -21,7 +21,6 @@ import math
 import torch
 import triton
 import triton.language as tl
-
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from quantlab.kernels.ops import interpret_mode, pdl_on, sm_count
@@ -134,7 +133,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     codes = k_scale is not None
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and q.stride(-1) == 1 and d == triton.next_power_of_2(d)
     chunk = _chunk(s, b * kvh, q.device)
-    pdl = dict(PDL=True, launch_pdl=True) if pdl_on(q) else {}
+    launch = dict(num_warps=1 if interpret_mode() else 4,
+                  **(dict(PDL=True, launch_pdl=True) if pdl_on(q) else {}))
     nsplit = triton.cdiv(s, chunk)
     m = torch.empty(b * kvh * nsplit * block_g, dtype=torch.float32, device=q.device)
     l_ = torch.empty_like(m)
@@ -145,8 +145,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         q, k, v, *scales, mask8, pos, m, l_, acc, s, kvh, chunk, 1.0 / math.sqrt(d),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         mask8.stride(0), GROUP=group, BLOCK_G=block_g, D=d, BLOCK_S=BLOCK_S, CODES=codes,
-        UPCAST=interpret_mode(), num_warps=1 if interpret_mode() else 4, **pdl)
+        UPCAST=interpret_mode(), **launch)
     out = torch.empty_like(q)
     _combine_kernel[(b * kvh,)](m, l_, acc, out, nsplit, kvh, out.stride(0), out.stride(1),
-                                GROUP=group, BLOCK_G=block_g, D=d, num_warps=1 if interpret_mode() else 4, **pdl)
+                                GROUP=group, BLOCK_G=block_g, D=d, **launch)
     return out

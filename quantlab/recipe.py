@@ -246,11 +246,11 @@ class Recipe(Strict):
 
     @model_validator(mode="after")
     def _head_exports(self) -> "Recipe":
-        from quantlab.export.registry import HEAD_FORMATS, refuses_quantized_head
+        from quantlab.export.registry import HEAD_FORMATS
 
         heads = [f"stages[{i}].{e.kind}.lm_head" for i, e in enumerate(self.stages)
                  if getattr(e.config, "lm_head", False)]
-        refused = [f for f in self.export if refuses_quantized_head(f)]
+        refused = [f for f in self.export if f not in HEAD_FORMATS]
         if heads and refused:
             raise ValueError(f"{heads[0]}: export {refused[0]} keeps lm_head in float and cannot carry its codes; "
                              f"export as {', '.join(HEAD_FORMATS)} or set lm_head: false")

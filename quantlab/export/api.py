@@ -7,7 +7,7 @@ from pathlib import Path
 
 from quantlab.errors import UserError
 from quantlab.export.checks import Report
-from quantlab.export.registry import FORMATS, HEAD_FORMATS, family_modules, module_for, refuses_quantized_head
+from quantlab.export.registry import FORMATS, HEAD_FORMATS, family_modules, module_for
 from quantlab.export.source import load_source, read_sidecar
 from quantlab.rundir import atomic_path
 
@@ -19,7 +19,7 @@ def export(canonical: Path, out: Path, fmt: str, max_shard_bytes: int | None = N
         raise UserError(f"--format {fmt!r}: unknown; formats: {', '.join(FORMATS)}")
     src = load_source(canonical)
     module, options = module_for(fmt)
-    if "lm_head" in src.quantized and refuses_quantized_head(fmt):
+    if src.head_quantized and fmt not in HEAD_FORMATS:
         raise UserError(f"{fmt}: this run quantized lm_head, which {fmt} keeps in float; export as "
                         f"{', '.join(HEAD_FORMATS)}, or quantize without lm_head")
     if not getattr(module, "CARRIES_ACTIVATIONS", False):  # the others check what they can carry

@@ -96,7 +96,7 @@ def quantization_config(src: Canonical) -> dict[str, Any]:
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights_args(src.scheme, fmt),
                                       "input_activations": acts, "output_activations": None, "format": fmt}},
         "kv_cache_scheme": kv_args(src.kv_cache) if src.kv_cache else None,
-        "ignore": [*(["lm_head"] if "lm_head" not in src.quantized else []), *src.unquantized_linears()],
+        "ignore": [*([] if src.head_quantized else ["lm_head"]), *src.unquantized_linears()],
         "quantization_status": "compressed", "sparsity_config": {}, "transform_config": {},
         "global_compression_ratio": None, "version": CT_VERSION,
     }

@@ -93,7 +93,7 @@ def quantization_config(src: Canonical) -> dict[str, Any]:
     qcfg: dict[str, Any] = {
         "bits": scheme.bits, "group_size": scheme.group_size or -1, "desc_act": src.act_order,
         "sym": scheme.symmetric, "damp_percent": damp if damp is not None else 0.01, "static_groups": False,
-        "true_sequential": True, "lm_head": "lm_head" in src.quantized, "quant_method": "gptq",
+        "true_sequential": True, "lm_head": src.head_quantized, "quant_method": "gptq",
         "checkpoint_format": checkpoint_format_for(scheme),
         "pack_dtype": "int32", "meta": {"quantizer": ["quantlab:0.1.0"]},
     }

@@ -22,10 +22,6 @@ K_QUANTS = ("q4_k_m", "q5_k_m", "q6_k")
 HEAD_FORMATS = ("compressed-tensors", "gptq", *(f for f in FORMATS if f.startswith("gguf-")))
 
 
-def refuses_quantized_head(fmt: str) -> bool:
-    return fmt not in HEAD_FORMATS
-
-
 def keeps_folded_weights(formats: list[str]) -> bool:
     return any(fmt.removeprefix("gguf-") in K_QUANTS for fmt in formats if fmt.startswith("gguf-"))
 

@@ -63,6 +63,11 @@ class Canonical:
         return DTYPES.get(str(name).removeprefix("torch."), torch.float32)
 
     @property
+    def head_quantized(self) -> bool:
+        """Whether the run quantized lm_head too (a stage's `lm_head: true`)."""
+        return "lm_head" in self.quantized
+
+    @property
     def tied(self) -> bool:
         return bool(self.config.get("tie_word_embeddings", False))
 
