@@ -154,6 +154,29 @@ def quantized_runner(config, name: str, device: torch.device, dtype: torch.dtype
 # --------------------------------------------------------------------------- timing
 
 
+def step_kernels(model, prompts: torch.Tensor, decode: str, steps: int = 32) -> list[dict[str, Any]]:
+    """Device kernels of one decode step, by name: the profile of a generate with `steps` more
+    tokens minus one with 2, over `steps` (prefill and warm-up cancel). CUPTI records each
+    kernel of a CUDA-graph replay, so the sum against the step's wall time shows how much of the
+    step is spent between kernels rather than in them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from quantlab.runner.generate import generate
+
+    cuda = prompts.device.type == "cuda"  # on CPU: the ops' own CPU time (a smoke test)
+    activity, total = (ProfilerActivity.CUDA, "device_time_total") if cuda else (ProfilerActivity.CPU, "self_cpu_time_total")
+
+    def kernels(new_tokens: int) -> dict[str, tuple[int, float]]:
+        with profile(activities=[activity]) as prof:
+            generate(model, prompts, new_tokens, decode=decode)
+        return {e.key: (e.count, getattr(e, total)) for e in prof.key_averages() if getattr(e, total) > 0}
+
+    short, long = kernels(2), kernels(2 + steps)
+    rows = [{"kernel": name, "per_step": (n - short.get(name, (0, 0.0))[0]) / steps,
+             "us_per_step": (t - short.get(name, (0, 0.0))[1]) / steps} for name, (n, t) in long.items()]
+    return sorted((r for r in rows if r["per_step"] > 0.5), key=lambda r: -r["us_per_step"])
+
+
 def time_runner(model, prompts: torch.Tensor, new_tokens: int, repeats: int, decode: str) -> dict[str, Any]:
     from quantlab.runner.generate import generate
 
@@ -203,6 +226,8 @@ def measure(model, label: str, args, device: torch.device, vocab: int, hf: bool 
         else:
             model.set_attention(args.attention)
             res = time_runner(model, prompts, args.new_tokens, args.repeats, args.decode)
+            if args.profile:
+                res["step_kernels"] = step_kernels(model, prompts, args.decode)
             if args.attention != "torch":
                 res["decode_mode"] += f" + {args.attention} attention"
             if args.pdl:
@@ -327,6 +352,25 @@ def bars(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def step_table(row: dict[str, Any], top: int = 12) -> list[str]:
+    """A scheme's kernels per decode step; 'between kernels' is the step's wall time (from the
+    timed runs) less the kernels' sum."""
+    kernels = row["step_kernels"]
+    step_us = 1e6 * row["batch"] / row["decode_tok_s"]
+    busy = sum(k["us_per_step"] for k in kernels)
+    launches = sum(k["per_step"] for k in kernels)
+    lines = ["", f"### {row['scheme']}, batch {row['batch']}: one decode step", "",
+             f"{step_us:.0f} µs per step: {busy:.0f} µs in {launches:.0f} kernels, "
+             f"{step_us - busy:.0f} µs between them.", "",
+             "| kernel | per step | µs per step |", "|---|---:|---:|"]
+    lines += [f"| `{k['kernel'][:90]}` | {k['per_step']:.1f} | {k['us_per_step']:.1f} |" for k in kernels[:top]]
+    rest = kernels[top:]
+    if rest:
+        lines.append(f"| {len(rest)} others | {sum(k['per_step'] for k in rest):.1f} | "
+                     f"{sum(k['us_per_step'] for k in rest):.1f} |")
+    return lines
+
+
 def markdown(res: dict[str, Any]) -> str:
     cfg = res["config"]
     lines = [
@@ -352,6 +396,9 @@ def markdown(res: dict[str, Any]) -> str:
         lines += ["", "w4a16-floor: the W4A16 model with every decode GEMM replaced by a kernel that only "
                   "reads the GEMM's weight bytes (benchmarks/read_floor.py) — the most any W4A16 kernel "
                   "could give this runner."]
+    for r in res["rows"]:
+        if r.get("step_kernels"):
+            lines += step_table(r)
     if res["bars"]:
         lines += ["", "## Bars", ""]
         lines += [f"- {'met' if b['met'] else 'NOT met'}: {b['what']}: {b['ratio']:.2f}× (bar {b['bar']}×)"
@@ -389,6 +436,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--pdl", action="store_true",
                     help="programmatic dependent launch (QUANTLAB_PDL=1): GEMV, attention and Inductor's "
                          "decode-step kernels launch early on Hopper")
+    ap.add_argument("--profile", action="store_true",
+                    help="also list each runner scheme's kernels per decode step (torch.profiler)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = ap.parse_args(argv)

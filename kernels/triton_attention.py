@@ -145,7 +145,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         q, k, v, *scales, mask8, pos, m, l_, acc, s, kvh, chunk, 1.0 / math.sqrt(d),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         mask8.stride(0), GROUP=group, BLOCK_G=block_g, D=d, BLOCK_S=BLOCK_S, CODES=codes,
-        UPCAST=interpret_mode(), **launch)
+        UPCAST=interpret_mode() or q.dtype == torch.float32, **launch)
     out = torch.empty_like(q)
     _combine_kernel[(b * kvh,)](m, l_, acc, out, nsplit, kvh, out.stride(0), out.stride(1),
                                 GROUP=group, BLOCK_G=block_g, D=d, **launch)

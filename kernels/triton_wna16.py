@@ -246,9 +246,10 @@ def _col_params(p_ptr, g, offs_n, n_mask, N):
 
 @triton.jit
 def _dot(a, b, acc, UPCAST: tl.constexpr):
-    """tl.dot; UPCAST computes in f32 (the Triton 3.9 interpreter's bf16 dot is wrong)."""
+    """tl.dot; UPCAST computes in exact f32, not tf32: the Triton 3.9 interpreter's bf16 dot is
+    wrong, and a float32 kernel on a GPU must match torch's float32 math."""
     if UPCAST:
-        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         out = tl.dot(a, b, acc)
     return out
