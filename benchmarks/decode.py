@@ -253,9 +253,9 @@ def gemms_read_only():
 
     real = triton_wna16.wna16_matmul
 
-    def read_only(x, p, impl="auto", config=None, out=None):
+    def read_only(x, p, impl="auto", config=None, out=None, glu=False):
         if x.shape[0] > triton_wna16.DECODE_MAX_M:
-            return real(x, p, impl, config, out)
+            return real(x, p, impl, config, out, glu)
         out = x.new_empty(x.shape[0], p.out_features) if out is None else out
         return read_packed(p, out)
 

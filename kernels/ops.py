@@ -114,12 +114,12 @@ def _flat(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
 @torch.library.custom_op("quantlab::wna16_mm", mutates_args=())
 def _wna16_mm_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  perm: torch.Tensor | None, bits: int, group_size: int, in_features: int, out_features: int,
-                 impl: str) -> torch.Tensor:
-    return _wna16_direct(x, qweight, scales, zeros, perm, bits, group_size, in_features, out_features, impl)
+                 impl: str, glu: bool) -> torch.Tensor:
+    return _wna16_direct(x, qweight, scales, zeros, perm, bits, group_size, in_features, out_features, impl, glu)
 
 
 @_wna16_mm_op.register_fake
-def _(x, qweight, scales, zeros, perm, bits, group_size, in_features, out_features, impl):
+def _(x, qweight, scales, zeros, perm, bits, group_size, in_features, out_features, impl, glu):
     return x.new_empty(x.shape[0], out_features)
 
 
@@ -167,11 +167,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return fn(q, k, v, mask, pos, k_scale, v_scale)
 
 
-def _wna16_direct(x, qweight, scales, zeros, perm, bits, group_size, in_features, out_features, impl):
+def _wna16_direct(x, qweight, scales, zeros, perm, bits, group_size, in_features, out_features, impl, glu):
     from quantlab.kernels.triton_wna16 import wna16_matmul
 
     p = PackedWNA16(qweight, scales, zeros, bits, group_size or None, in_features, out_features, perm)
-    return wna16_matmul(x, p, impl=impl)
+    return wna16_matmul(x, p, impl=impl, glu=glu)
 
 
 def _scaled_direct(xq, sx, w, scale, zc, out_dtype):
@@ -198,11 +198,27 @@ def wna16_linear(x: torch.Tensor, p: PackedWNA16, bias: torch.Tensor | None = No
     x2, lead = _flat(x)
     if p.kernel_ok and use_triton(x2):
         y = _wna16_mm(x2, p.qweight, p.scales, p.zeros, p.perm, p.bits, p.group_constexpr,
-                      p.in_features, p.out_features, impl)
+                      p.in_features, p.out_features, impl, False)
     else:
         y = reference.wna16_mm(x2, p)
     if bias is not None:
         y = y + bias
+    return y.reshape(*lead, p.out_features)
+
+
+def wna16_swiglu_ok(gate_up: torch.Tensor, p: PackedWNA16) -> bool:
+    """Whether `wna16_swiglu_linear` runs as one GEMV here: a single token row (decode at batch
+    1) on the Triton kernels, and a layout the GEMV takes without an act-order gather."""
+    return gate_up.numel() == gate_up.shape[-1] and p.swiglu_ok and use_triton(gate_up)
+
+
+def wna16_swiglu_linear(gate_up: torch.Tensor, p: PackedWNA16) -> torch.Tensor:
+    """A SwiGLU MLP's down projection, `(silu(gate)·up) @ Wᵀ` for `gate_up = [gate | up]`
+    (`[..., 2K]`, one row; see `wna16_swiglu_ok`): the GEMV forms the product as it loads its
+    activations, so no kernel writes it in between."""
+    x2, lead = _flat(gate_up)
+    y = _wna16_mm(x2, p.qweight, p.scales, p.zeros, None, p.bits, p.group_constexpr,
+                  p.in_features, p.out_features, "gemv", True)
     return y.reshape(*lead, p.out_features)
 
 

@@ -347,13 +347,20 @@ def _denormal_scale(pos, BITS: tl.constexpr):
 
 @triton.jit
 def _gemv_inputs(x_row, s_ptr, z_ptr, b, b1, k_in, s, z, offs_n, n_mask, N, K, NG,
-                 BITS: tl.constexpr, GROUP: tl.constexpr):
+                 BITS: tl.constexpr, GROUP: tl.constexpr, GLU: tl.constexpr = False):
     """Block b's activations (stored order, float32; zeros past K or when b ≥ b1) and, with
-    groups, its scales and zeros (K-pad blocks: any finite scale, x is 0 there)."""
+    groups, its scales and zeros (K-pad blocks: any finite scale, x is 0 there). GLU: the row
+    holds `[gate | up]` (2K wide) and the activation is `silu(gate)·up` in float32 (as
+    Inductor's fused kernel computes it; eager torch rounds each op to the row's dtype)."""
     BK: tl.constexpr = 256 // BITS
     kk = b * BK + k_in
     # A limit of 0 masks a block past the split (scalar & tensor masks upset the interpreter).
-    xv = tl.load(x_row + kk, mask=kk < tl.where(b < b1, K, 0), other=0.0).to(tl.float32)
+    inside = kk < tl.where(b < b1, K, 0)
+    xv = tl.load(x_row + kk, mask=inside, other=0.0)
+    xv = xv.to(tl.float32)
+    if GLU:
+        up = tl.load(x_row + K + kk, mask=inside, other=0.0).to(tl.float32)
+        xv = xv / (1.0 + tl.exp(-xv)) * up
     if GROUP > 0:
         g = tl.minimum(b * BK // GROUP, NG - 1)
         s = _col_params(s_ptr, g, offs_n, n_mask, N)
@@ -366,7 +373,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
                  M, N, K, NBLK, NG, stride_xm, stride_ym, magic32,
                  BITS: tl.constexpr, GROUP: tl.constexpr,
                  SPLIT_K, BLOCK_N: tl.constexpr, SPLIT_P2: tl.constexpr, PF: tl.constexpr = True,
-                 DENORM: tl.constexpr = False, PDL: tl.constexpr = 0):
+                 DENORM: tl.constexpr = False, PDL: tl.constexpr = 0, GLU: tl.constexpr = False):
     """See the module docstring; one token row per grid row (program_id 2). A `[BLOCK_N, 8]`
     block with BLOCK_N = 128·num_warps gives each thread all 8 words of its 4 columns. GROUP:
     0 (per-channel) or a multiple of the block (one group per block). The next block's words
@@ -377,7 +384,11 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
     block's words, scales and zeros are loaded before waiting on the previous kernel, which
     wrote x — weights never depend on it — and the next kernel may launch from the start of
     the loop (PDL = 2) or after it (PDL = 1). Nothing in the workspace is touched before the
-    wait, so overlapping GEMVs share it safely."""
+    wait, so overlapping GEMVs share it safely.
+
+    GLU: x is the gate/up projection's output `[gate | up]` and the GEMV multiplies
+    `silu(gate)·up` (`_gemv_inputs`): a SwiGLU MLP's down projection without the kernel that
+    would write that product between the two GEMVs."""
     BK: tl.constexpr = 256 // BITS
     OUT: tl.constexpr = y_ptr.dtype.element_ty
     if PDL == 2:
@@ -402,7 +413,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
         gdc_wait()
     if PF:
         x_next, s_next, z_next = _gemv_inputs(x_row, s_ptr, z_ptr, b0, b1, k_in, s, z, offs_n,
-                                              n_mask, N, K, NG, BITS, GROUP)
+                                              n_mask, N, K, NG, BITS, GROUP, GLU)
     for b in range(b0, b1):
         w = w_next
         w_ptrs += 8 * N
@@ -410,10 +421,10 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
         if PF:
             xv, s, z = x_next, s_next, z_next
             x_next, s_next, z_next = _gemv_inputs(x_row, s_ptr, z_ptr, b + 1, b1, k_in, s, z,
-                                                  offs_n, n_mask, N, K, NG, BITS, GROUP)
+                                                  offs_n, n_mask, N, K, NG, BITS, GROUP, GLU)
         else:
             xv, s, z = _gemv_inputs(x_row, s_ptr, z_ptr, b, b1, k_in, s, z, offs_n, n_mask, N,
-                                    K, NG, BITS, GROUP)
+                                    K, NG, BITS, GROUP, GLU)
         part = _fma_codes(w, z, xv, magic32, BITS, DENORM)
         if GROUP > 0:
             acc += part * tl.reshape(s, (BLOCK_N,))
@@ -691,7 +702,7 @@ def _tuner(kernel, configs, keys, prune):
 
 _FUSED_KEY = ["MB", "N", "K", "BITS", "GROUP"]
 TUNERS = {
-    "gemv": _tuner(_gemv_kernel, GEMV_CONFIGS, ["N", "K", "BITS", "GROUP"], PRUNE["gemv"]),
+    "gemv": _tuner(_gemv_kernel, GEMV_CONFIGS, ["N", "K", "BITS", "GROUP", "GLU"], PRUNE["gemv"]),
     **{f"m{b}": _tuner(_wna16_kernel, c, _FUSED_KEY, PRUNE["fused"]) for b, c in CONFIGS.items()},
     **{f"m{b}_join": _tuner(_wna16_kernel, c, _FUSED_KEY, PRUNE["fused"])
        for b, c in JOIN_CONFIGS.items()},
@@ -710,11 +721,6 @@ IMPLS = {"auto": "auto", "gemv": "gemv", "fma": "gemv", "fused": "fused", "mid":
 def _fast(p: PackedWNA16, dtype: torch.dtype) -> bool:
     """The packed half-precision dequantization (inline PTX): int4, or int8 under fp16."""
     return not interpret_mode() and (p.bits == 4 or dtype == torch.float16)
-
-
-def gemv_ok(p: PackedWNA16) -> bool:
-    """The GEMV takes per-channel scales or groups of whole blocks (64 k for int4, 32 for int8)."""
-    return p.group_size is None or p.group_size % (256 // p.bits) == 0
 
 
 def dequantize(p: PackedWNA16, dtype: torch.dtype) -> torch.Tensor:
@@ -736,8 +742,9 @@ def _max_split(tuner: str, n: int, nblk: int, m: int, device: torch.device) -> i
     return largest_split(prune, TUNERS[tuner].configs, device, N=n, NBLK=nblk, M=m)
 
 
-def _launch_gemv(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, config: dict | None) -> None:
-    m, k = x.shape
+def _launch_gemv(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, config: dict | None,
+                 glu: bool = False) -> None:
+    m, k = x.shape[0], p.in_features
     n = p.out_features
     nblk = p.qweight.shape[0] // 8
     if config is None and interpret_mode():
@@ -751,7 +758,7 @@ def _launch_gemv(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, config: dic
     ws, cnt = split_workspaces(x.device, m, n, max_split)
     args = (x, p.qweight, p.scales, p.zeros, out, ws, cnt, m, n, k, nblk, p.scales.shape[0],
             x.stride(0), out.stride(0), MAGIC32)
-    common = dict(BITS=p.bits, GROUP=p.group_constexpr)
+    common = dict(BITS=p.bits, GROUP=p.group_constexpr, GLU=glu)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"], m)  # noqa: E731
     kern = TUNERS["gemv"] if config is None else _gemv_kernel
     pdl = dict(PDL=2, launch_pdl=True) if pdl_on(x) and not (config or {}).get("PDL") else {}
@@ -802,11 +809,12 @@ def _auto_path(m: int, p: PackedWNA16) -> str:
     M = 2 (it reads the weights once for all tokens)."""
     if m > DECODE_MAX_M:
         return "dequant"
-    return "gemv" if m == 1 and gemv_ok(p) else "fused"
+    return "gemv" if m == 1 and p.gemv_ok else "fused"
 
 
 def wna16_matmul(x: torch.Tensor, p: PackedWNA16, impl: str = "auto",
-                 config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                 config: dict | None = None, out: torch.Tensor | None = None,
+                 glu: bool = False) -> torch.Tensor:
     """`x [M, K]` (bf16/fp16, unit column stride) times the packed weight → `[M, N]` in x's dtype.
 
     impl: "auto" (see `_auto_path`), "gemv" (alias "fma"; per-channel or groups of whole
@@ -815,14 +823,18 @@ def wna16_matmul(x: torch.Tensor, p: PackedWNA16, impl: str = "auto",
     impl "auto" it names the tensor-core kernel if it holds BLOCK_M, else the GEMV; the
     tensor-core kernel also takes JOIN (default: int8 under bf16 and the interpreter). Under
     TRITON_INTERPRET=1 a fixed small config is used. `out` (contiguous `[M, N]`) is written
-    in place."""
+    in place. `glu`: x is `[M, 2K]`, a SwiGLU MLP's `[gate | up]`, and the product is
+    `(silu(gate)·up) @ Wᵀ`, the activation formed as the GEMV loads it (GEMV path only;
+    `PackedWNA16.swiglu_ok` says when)."""
     if not p.kernel_ok:
         raise ValueError(f"group size {p.group_size} unsupported by the Triton kernels")
     if impl not in IMPLS:
         raise ValueError(f"impl {impl!r}: choose from {', '.join(IMPLS)}")
-    assert x.dim() == 2 and x.shape[1] == p.in_features and x.stride(1) == 1
+    assert x.dim() == 2 and x.shape[1] == p.in_features * (2 if glu else 1) and x.stride(1) == 1
     assert x.dtype in (torch.bfloat16, torch.float16), f"bf16/fp16 activations, got {x.dtype}"
     m = x.shape[0]
+    if glu and not (IMPLS[impl] in ("auto", "gemv") and m == 1 and p.swiglu_ok):
+        raise ValueError(f"glu: the GEMV at M = 1 without act-order only (M = {m}, impl {impl!r})")
     if p.perm is not None:
         x = x.index_select(1, p.perm)
     if out is None:
@@ -833,8 +845,11 @@ def wna16_matmul(x: torch.Tensor, p: PackedWNA16, impl: str = "auto",
     path = IMPLS[impl]
     if path == "auto":
         path = _auto_path(m, p) if config is None else "fused" if "BLOCK_M" in config else "gemv"
-    if path == "gemv" and not gemv_ok(p):
+    if path == "gemv" and not p.gemv_ok:
         raise ValueError(f"the GEMV takes groups of {256 // p.bits} k or multiples, "
                          f"got {p.group_size}")
-    _launch(path, x, p, out, config)
+    if glu:
+        _launch_gemv(x, p, out, config, glu=True)
+    else:
+        _launch(path, x, p, out, config)
     return out

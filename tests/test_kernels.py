@@ -213,6 +213,53 @@ def test_wna16_kernel_matches_reference(bits, group, m, impl, config, dtype):
     assert rel_err(y, reference.wna16_mm(x, p)) < TOL[dtype]
 
 
+@needs_triton
+@pytest.mark.parametrize("bits,group,dtype", [(4, 64, torch.bfloat16), (4, None, torch.float16),
+                                              (8, 32, torch.bfloat16)])
+def test_gemv_forms_swiglu_as_it_loads(bits, group, dtype):
+    """`glu=True`: the GEMV's activation is silu(gate)·up of the row `[gate | up]`, the same
+    product (to rounding) as torch's eager ops followed by the plain GEMV; K = 300 leaves a
+    partial last block in both halves."""
+    from quantlab.kernels.triton_wna16 import wna16_matmul
+
+    p = layout.pack_wna16(canonical(72, 300, bits, group, seed=5), dtype).to(DEV)
+    gate_up = (3 * torch.randn(1, 600)).to(dtype).to(DEV)
+    gate, up = gate_up.chunk(2, dim=-1)
+    unfused = wna16_matmul(torch.nn.functional.silu(gate) * up, p, impl="gemv")
+    out = torch.full((1, 72), float("nan"), dtype=dtype, device=DEV)
+    fused = wna16_matmul(gate_up, p, glu=True, out=out)
+    assert fused is out
+    assert rel_err(fused, unfused) < TOL[dtype], rel_err(fused, unfused)
+    assert rel_err(fused, reference.wna16_mm(torch.nn.functional.silu(gate) * up, p)) < TOL[dtype]
+    with pytest.raises(ValueError, match="glu"):
+        wna16_matmul(gate_up.expand(2, -1).contiguous(), p, glu=True)  # the GEMV is M = 1 only
+
+
+@needs_triton
+def test_runner_mlp_takes_the_swiglu_gemv(monkeypatch):
+    """A W4A16 MLP at one token row runs its down projection as the SwiGLU GEMV (one kernel
+    call with glu) and gives the unfused MLP's output; two rows keep the separate ops."""
+    from quantlab.kernels import triton_wna16
+    from quantlab.runner.linear import WNA16Linear, swiglu_reference
+    from quantlab.runner.model import MLP
+
+    def linear(n, k, seed):
+        return WNA16Linear(layout.pack_wna16(canonical(n, k, 4, 64, seed=seed), torch.bfloat16).to(DEV))
+
+    mlp = MLP(linear(256, 64, 1), linear(64, 128, 2))
+    calls = []
+    real = triton_wna16.wna16_matmul
+    monkeypatch.setattr(triton_wna16, "wna16_matmul",
+                        lambda x, p, *a, glu=False, **kw: calls.append(glu) or real(x, p, *a, glu=glu, **kw))
+    for rows in (1, 2):
+        x = torch.randn(1, rows, 64).to(torch.bfloat16).to(DEV)
+        calls.clear()
+        y = mlp(x)
+        assert calls == ([False, True] if rows == 1 else [False, False])
+        ref = swiglu_reference(mlp.down_proj, mlp.gate_up(x))
+        assert y.shape == (1, rows, 64) and rel_err(y, ref) < TOL[torch.bfloat16]
+
+
 if ops.triton_installed():
     import triton
     import triton.language as tl
@@ -295,7 +342,7 @@ def test_gemv_pdl_loads_words_before_waiting_on_the_previous_kernel():
     needed), it lets the next kernel launch before any load, loads weight words before
     `griddepcontrol.wait`, and every 16-bit load (activations, scales, zeros) and workspace
     atomic comes after the wait. Without PDL no grid-dependency instruction is emitted."""
-    consts = dict(BITS=4, GROUP=128, BLOCK_N=128, SPLIT_P2=8, PF=True, DENORM=True)
+    consts = dict(BITS=4, GROUP=128, BLOCK_N=128, SPLIT_P2=8, PF=True, DENORM=True, GLU=False)
     mod = "quantlab.kernels.triton_wna16"
     plain = sm90_ptx(mod, "_gemv_kernel", GEMV_SIG, {**consts, "PDL": 0}, num_warps=1, num_stages=1)
     assert not any("griddepcontrol" in ln for ln in plain)
@@ -460,10 +507,10 @@ def test_runner_decodes_through_the_attention_kernel(monkeypatch, cache):
 
 @needs_triton
 def test_wna16_gemv_rejects_groups_smaller_than_a_block():
-    from quantlab.kernels.triton_wna16 import gemv_ok, wna16_matmul
+    from quantlab.kernels.triton_wna16 import wna16_matmul
 
     p = layout.pack_wna16(canonical(16, 128, 4, 32), torch.float16).to(DEV)
-    assert not gemv_ok(p)
+    assert not p.gemv_ok
     x = torch.randn(1, 128).half().to(DEV)
     with pytest.raises(ValueError, match="GEMV"):
         wna16_matmul(x, p, impl="gemv")
@@ -609,9 +656,12 @@ def test_custom_ops_only_under_torch_compile(monkeypatch):
     cache = tuple(t.to(DEV) for t in (k, v, mask, pos, ks, vs))
     q = q.to(DEV)
 
+    p_down = layout.pack_wna16(canonical(48, 96, 4, 64), torch.float16).to(DEV)
+
     def both(x):
         y = ops.wna16_linear(x, p4) + ops.w8a8_linear(x, p8)
-        return y, ops.decode_attention(q * y[0, 0], *cache)
+        glu = ops.wna16_swiglu_linear(x[:2].reshape(1, 192), p_down)
+        return y, ops.decode_attention(q * y[0, 0], *cache), glu
 
     eager = both(x)
     traced = torch.compile(both, backend="aot_eager", fullgraph=True)(x)

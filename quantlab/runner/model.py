@@ -23,6 +23,7 @@ from torch import nn
 from quantlab.errors import UserError
 from quantlab.kernels import ops
 from quantlab.runner.kv import KVCache, KVQuant
+from quantlab.runner.linear import swiglu_down
 
 SUPPORTED = ("llama", "qwen2", "mistral")
 ATTENTION = ("torch", "triton")
@@ -173,8 +174,7 @@ class MLP(nn.Module):
         self.gate_up, self.down_proj = gate_up, down_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return swiglu_down(self.down_proj, self.gate_up(x))
 
 
 class Block(nn.Module):
