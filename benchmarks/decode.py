@@ -232,6 +232,8 @@ def measure(model, label: str, args, device: torch.device, vocab: int, hf: bool 
                 res["decode_mode"] += f" + {args.attention} attention"
             if args.pdl:
                 res["decode_mode"] += " + PDL"
+            if args.swiglu_gemv:
+                res["decode_mode"] += " + SwiGLU GEMV"
             wbytes = weight_bytes(model)  # Linears incl. lm_head; the embedding table is not read whole
         row = {"scheme": label, "batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                **res, "weight_gb": wbytes / 1e9,
@@ -436,6 +438,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--pdl", action="store_true",
                     help="programmatic dependent launch (QUANTLAB_PDL=1): GEMV, attention and Inductor's "
                          "decode-step kernels launch early on Hopper")
+    ap.add_argument("--swiglu-gemv", action="store_true",
+                    help="QUANTLAB_SWIGLU_GEMV=1: the W4A16 down projection's GEMV forms silu(gate)·up "
+                         "as it loads (no kernel between the MLP's GEMVs)")
     ap.add_argument("--profile", action="store_true",
                     help="also list each runner scheme's kernels per decode step (torch.profiler)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -457,6 +462,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_grad_enabled(False)
     if args.pdl:
         os.environ["QUANTLAB_PDL"] = "1"  # read at each launch and when the decode step compiles
+    if args.swiglu_gemv:
+        os.environ["QUANTLAB_SWIGLU_GEMV"] = "1"
     res = run(args, on_rows=lambda partial: save(partial, args.out))
     stem = save(res, args.out)
     print(markdown(res))

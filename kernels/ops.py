@@ -81,6 +81,16 @@ def pdl_requested() -> bool:
     return os.environ.get("QUANTLAB_PDL", "0") == "1"
 
 
+def swiglu_gemv_requested() -> bool:
+    """QUANTLAB_SWIGLU_GEMV=1: a W4A16 SwiGLU MLP at one token row forms silu(gate)·up in the
+    down projection's GEMV (`wna16_swiglu_linear`) instead of a kernel between the two GEMVs.
+    Off until measured: it drops one kernel per layer but every GEMV thread recomputes the
+    SiLU of each activation it reads (the block's activations are replicated across the
+    threads that own its columns), about 64 exp + divide per 256 code FMAs, on a kernel that
+    was issue-bound before."""
+    return os.environ.get("QUANTLAB_SWIGLU_GEMV", "0") == "1"
+
+
 def pdl_on(t: torch.Tensor) -> bool:
     """Whether a kernel launch on `t`'s device uses PDL (requested, sm_90+, not interpreted)."""
     return pdl_requested() and t.is_cuda and not interpret_mode() and use_triton(t, (9, 0))
@@ -207,9 +217,11 @@ def wna16_linear(x: torch.Tensor, p: PackedWNA16, bias: torch.Tensor | None = No
 
 
 def wna16_swiglu_ok(gate_up: torch.Tensor, p: PackedWNA16) -> bool:
-    """Whether `wna16_swiglu_linear` runs as one GEMV here: a single token row (decode at batch
-    1) on the Triton kernels, and a layout the GEMV takes without an act-order gather."""
-    return gate_up.numel() == gate_up.shape[-1] and p.swiglu_ok and use_triton(gate_up)
+    """Whether `wna16_swiglu_linear` runs as one GEMV here: requested (`swiglu_gemv_requested`),
+    a single token row (decode at batch 1) on the Triton kernels, and a layout the GEMV takes
+    without an act-order gather."""
+    return (swiglu_gemv_requested() and gate_up.numel() == gate_up.shape[-1] and p.swiglu_ok
+            and use_triton(gate_up))
 
 
 def wna16_swiglu_linear(gate_up: torch.Tensor, p: PackedWNA16) -> torch.Tensor:

@@ -237,8 +237,9 @@ def test_gemv_forms_swiglu_as_it_loads(bits, group, dtype):
 
 @needs_triton
 def test_runner_mlp_takes_the_swiglu_gemv(monkeypatch):
-    """A W4A16 MLP at one token row runs its down projection as the SwiGLU GEMV (one kernel
-    call with glu) and gives the unfused MLP's output; two rows keep the separate ops."""
+    """With QUANTLAB_SWIGLU_GEMV=1 a W4A16 MLP at one token row runs its down projection as the
+    SwiGLU GEMV (one kernel call with glu) and gives the unfused MLP's output; two rows, or the
+    option off, keep the separate ops."""
     from quantlab.kernels import triton_wna16
     from quantlab.runner.linear import WNA16Linear, swiglu_reference
     from quantlab.runner.model import MLP
@@ -251,11 +252,12 @@ def test_runner_mlp_takes_the_swiglu_gemv(monkeypatch):
     real = triton_wna16.wna16_matmul
     monkeypatch.setattr(triton_wna16, "wna16_matmul",
                         lambda x, p, *a, glu=False, **kw: calls.append(glu) or real(x, p, *a, glu=glu, **kw))
-    for rows in (1, 2):
+    for on, rows in ((True, 1), (True, 2), (False, 1)):
+        monkeypatch.setenv("QUANTLAB_SWIGLU_GEMV", str(int(on)))
         x = torch.randn(1, rows, 64).to(torch.bfloat16).to(DEV)
         calls.clear()
         y = mlp(x)
-        assert calls == ([False, True] if rows == 1 else [False, False])
+        assert calls == ([False, True] if on and rows == 1 else [False, False])
         ref = swiglu_reference(mlp.down_proj, mlp.gate_up(x))
         assert y.shape == (1, rows, 64) and rel_err(y, ref) < TOL[torch.bfloat16]
 

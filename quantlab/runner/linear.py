@@ -80,8 +80,9 @@ class WNA16Linear(nn.Module):
         return F.linear(x, self._dense, self.bias)
 
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """This down projection of a SwiGLU MLP on `[gate | up]`: at one token row on the kernels,
-        a single GEMV that forms `silu(gate)·up` as it loads (no product kernel between)."""
+        """This down projection of a SwiGLU MLP on `[gate | up]`: at one token row on the kernels
+        and with QUANTLAB_SWIGLU_GEMV=1 (`ops.swiglu_gemv_requested`), a single GEMV that forms
+        `silu(gate)·up` as it loads (no product kernel between)."""
         if self.bias is None and _kernels_for(gate_up) and ops.wna16_swiglu_ok(gate_up, self.packed):
             return ops.wna16_swiglu_linear(gate_up, self.packed)
         return swiglu_reference(self, gate_up)
