@@ -56,6 +56,8 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
         sets.append(f"model.id={args.model}")
     if args.dtype:
         sets.append(f"model.dtype={args.dtype}")
+    if args.precision:
+        sets.append(f"verify.precision={args.precision}")
     cmd = [sys.executable, "-m", "quantlab", "run", str(REPO / "recipes" / f"{case.recipe}.yaml")]
     for s in sets:
         cmd += ["--set", s]
@@ -86,7 +88,7 @@ def markdown(payload: dict[str, Any]) -> str:
     lines = [f"# Runner vs fake-quant on real SmolLM2 runs — {payload['device_name']}", "",
              f"{payload['prompts']} prompts × {payload['new_tokens']} greedy tokens; perplexity on "
              f"{payload['windows']} × 512 windows of wiki.test.raw; "
-             f"dtype {payload['dtype']}. "
+             f"dtype {payload['dtype']}, verify precision {payload.get('precision', 'model')}. "
              f"Command: `{payload['command']}`", "",
              "Floor: the fake-quant model's agreement with its own float64 copy at the same positions "
              "(how far rounding alone moves a scheme's argmax).", "",
@@ -119,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="model.id override (e.g. a local .gguf on a machine without the cache)")
     p.add_argument("--dtype", default=None, help="model.dtype override: bfloat16 runs the GPU kernels (float32 "
                    "takes the kernels' torch reference path)")
+    p.add_argument("--precision", choices=["model", "float64"], default=None,
+                   help="verify.precision: float64 compares both models in float64 on the CPU")
     p.add_argument("--data", type=Path, default=DATA, help="directory with wiki.train.first1MB.raw and wiki.test.raw")
     p.add_argument("--windows", type=int, default=8, help="perplexity windows of 512 (evaluation and verify)")
     p.add_argument("--prompts", type=int, default=16, help="verify prompts (default 16)")
@@ -131,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [run_case(c, args) for c in CASES if not args.only or c.id in args.only.split(",")]
     payload = {"device": args.device, "device_name": device_name(args.device), "windows": args.windows,
                "prompts": args.prompts, "new_tokens": args.new_tokens, "calib_samples": args.calib_samples,
-               "dtype": args.dtype or "recipe default",
+               "dtype": args.dtype or "recipe default", "precision": args.precision or "model",
                "command": " ".join(["python", "benchmarks/verify_runner.py", *(argv or sys.argv[1:])]), "rows": rows}
     out = args.out or args.work / f"verify_runner_{args.device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -12,19 +12,26 @@ INT8_MAX = 127.0
 FP8_MAX = 448.0
 
 
+def _compute(x: torch.Tensor) -> torch.dtype:
+    """Scales and codes in float32, or float64 for float64 inputs (CPU verification)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def quantize_act_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-token symmetric int8: codes `[M, K]` int8 and scales `[M]` f32."""
-    s = (x.float().abs().amax(dim=-1) / INT8_MAX).clamp(min=1e-10)
-    q = torch.clamp(torch.round(x.float() / s[..., None]), -INT8_MAX, INT8_MAX).to(torch.int8)
+    """Dynamic per-token symmetric int8: codes `[M, K]` int8 and scales `[M]` f32 (f64 for f64 x)."""
+    xc = x.to(_compute(x))
+    s = (xc.abs().amax(dim=-1) / INT8_MAX).clamp(min=1e-10)
+    q = torch.clamp(torch.round(xc / s[..., None]), -INT8_MAX, INT8_MAX).to(torch.int8)
     return q, s
 
 
 def quantize_act_fp8(x: torch.Tensor, per_row: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic FP8 e4m3 with `s = absmax / 448` per token (`[M]`) or per tensor (`[1]`)."""
-    amax = x.float().abs().amax(dim=-1) if per_row else x.float().abs().amax().reshape(1)
+    xc = x.to(_compute(x))
+    amax = xc.abs().amax(dim=-1) if per_row else xc.abs().amax().reshape(1)
     s = (amax / FP8_MAX).clamp(min=1e-10)
     sb = s[..., None] if per_row else s
-    q = torch.clamp(x.float() / sb, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    q = torch.clamp(xc / sb, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, s
 
 
@@ -46,7 +53,9 @@ def w8a8_mm(xq: torch.Tensor, sx: torch.Tensor, p: PackedW8A8,
 
 def fp8_mm(xq: torch.Tensor, sx: torch.Tensor, p: PackedFP8,
            out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """FP8 `xq [M, K]` (scale `[M]` or `[1]`) × FP8 W (scale `[N]` or `[1]`), f32 accumulate."""
-    acc = xq.float() @ p.w.float().t()
-    sa = sx.float().reshape(-1, 1) if sx.numel() > 1 or xq.shape[0] == 1 else sx.float()
-    return (acc * sa * p.scale.float()).to(out_dtype)
+    """FP8 `xq [M, K]` (scale `[M]` or `[1]`) × FP8 W (scale `[N]` or `[1]`): float64 on the CPU
+    (exact products; the sum as exact as w8a8's), float32 on a GPU."""
+    dt = torch.float64 if xq.device.type == "cpu" else torch.float32
+    acc = xq.to(dt) @ p.w.to(dt).t()
+    sa = sx.to(dt).reshape(-1, 1) if sx.numel() > 1 or xq.shape[0] == 1 else sx.to(dt)
+    return (acc * sa * p.scale.to(dt)).to(out_dtype)

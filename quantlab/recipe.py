@@ -209,6 +209,10 @@ class VerifySpec(Strict):
     dataset: DatasetSpec | None = Field(default=None, description="null = evaluate.perplexity's, else calibration's")
     perplexity_windows: int = Field(default=4, ge=0, le=100_000, description="windows scored by both models; 0 = skip")
     seq_len: int = Field(default=512, ge=16, le=131_072, description="perplexity window length")
+    precision: Literal["model", "float64"] = Field(
+        default="model", description="model: both sides in model.dtype on the run's device; float64: both in "
+        "float64 on the CPU, so per-token int8 / FP8 activation codes no longer flip on last-bit rounding "
+        "differences and a disagreement means the two compute different things")
 
 
 class OutputSpec(Strict):

@@ -170,17 +170,20 @@ def verify(ctx: RunContext) -> None:
     stream = _verify_tokens(ctx)
     prompts = ([ctx.tokenizer(p).input_ids for p in spec.prompts] if spec.prompts
                else rv.prompts_from_stream(stream, spec.num_prompts, spec.prompt_tokens))
+    exact = spec.precision == "float64"
+    device, dtype = (torch.device("cpu"), torch.float64) if exact else (ctx.device, ctx.dtype)
     with step("verify: loading runner and fake-quant model"):
-        runner = load_runner(source, ctx.device, ctx.dtype)
-        reference = load_fake_quant_model(source, ctx.dtype).to(ctx.device)
+        runner = load_runner(source, device, dtype)
+        reference = load_fake_quant_model(source, dtype).to(device)
         apply_from_canonical(reference, source)
     with step(f"verify: {len(prompts)} prompts × {spec.max_new_tokens} tokens"):
-        result = rv.compare(runner, reference, prompts, spec.max_new_tokens)
+        # in float64 the reference is its own float64 copy: no floor to measure
+        result = rv.compare(runner, reference, prompts, spec.max_new_tokens, floor=not exact)
     if spec.perplexity_windows:
         with step(f"verify: perplexity, {spec.perplexity_windows} windows × {spec.seq_len}"):
             result["perplexity"] = rv.perplexity_pair(runner, reference, stream, spec.seq_len,
-                                                      spec.perplexity_windows, ctx.device)
-    result.update(device=str(ctx.device), dtype=ctx.recipe.model.dtype)
+                                                      spec.perplexity_windows, device)
+    result.update(device=str(device), dtype="float64" if exact else ctx.recipe.model.dtype)
     write_text_atomic(ctx.run.resolve(VERIFY), json.dumps(result, indent=2) + "\n")
     console.print(f"verify: greedy agreement {100 * result['greedy_agreement']:.2f}%, "
                   f"logit rel error {result['logits']['rel']:.2e}")

@@ -301,6 +301,28 @@ def test_verify_stage_writes_its_report_section(tiny_model_dir, tmp_path):
     assert "## Runner verification" in md and "| 1 |" in md
 
 
+def test_verify_in_float64_compares_what_is_computed(tiny_model_dir, tmp_path):
+    """verify.precision float64: W8A8 with per-token dynamic int8 activations, both sides in
+    float64 on the CPU — no activation code flips on rounding, so the runner agrees on every
+    token and its logits match to float64 rounding; no floor is measured (the reference is
+    already float64)."""
+    from quantlab.pipeline import run_recipe
+    from quantlab.recipe import validate_recipe
+
+    raw = {"name": "v64", "seed": 0, "device": "cpu", "model": {"id": str(tiny_model_dir)},
+           "calibration": {"dataset": {"source": str(WIKI_TEST)}, "num_samples": 2, "seq_len": 32},
+           "stages": [{"rtn": {"weights": "W8A16"}},
+                      {"act_ranges": {"activations": {"type": "int", "dynamic": True, "granularity": "token"}}}],
+           "verify": {"num_prompts": 2, "prompt_tokens": 8, "max_new_tokens": 6, "perplexity_windows": 1,
+                      "seq_len": 32, "precision": "float64", "dataset": {"source": str(WIKI_TEST)}},
+           "output": {"dir": str(tmp_path / "run")}}
+    run = run_recipe(validate_recipe(raw))
+    v = json.loads((run.path / "reports" / "verify.json").read_text())
+    assert v["dtype"] == "float64" and v["greedy_agreement"] == 1.0
+    assert v["logits"]["rel"] < 1e-12 and v["reference_floor"] is None
+    assert abs(v["perplexity"]["rel_diff_pct"]) < 1e-8
+
+
 def test_verify_recipe_needs_prompts_or_data(tmp_path):
     from quantlab.errors import UserError
     from quantlab.recipe import validate_recipe

@@ -172,7 +172,8 @@ def load_fake_quant_model(source: Path, dtype: torch.dtype = torch.float32) -> t
     unfuse_experts(model)  # MoE: the canonical form names per-expert Linears
     tensors, quantized = load_canonical(source)
     state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
-    state.update({f"{name}.weight": qw.dequantize().to(dtype) for name, qw in quantized.items()})
+    wide = torch.promote_types(dtype, torch.float32)  # float64 models dequantize exactly
+    state.update({f"{name}.weight": qw.dequantize(wide).to(dtype) for name, qw in quantized.items()})
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     still_missing = [k for k in missing if k not in tied]

@@ -33,8 +33,8 @@ class QuantizedWeight:
     g_idx: torch.Tensor  # int32 [in], group of each input column
     scheme: WeightScheme
 
-    def dequantize(self) -> torch.Tensor:
-        return dequantize(self.codes, self.scales, self.zeros, self.g_idx)
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self.codes, self.scales, self.zeros, self.g_idx, dtype)
 
 
 def num_groups(in_features: int, group_size: int | None) -> int:
@@ -115,10 +115,13 @@ def quantize(
 
 
 def dequantize(
-    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
+    """`(codes − zero) · scale` per column's group, computed in `dtype` (float64 keeps the
+    product of a float32 scale and a code exact)."""
     idx = g_idx.long()
-    return (codes.float() - zeros.float()[:, idx]) * scales.float()[:, idx]
+    return (codes.to(dtype) - zeros.to(dtype)[:, idx]) * scales.to(dtype)[:, idx]
 
 
 def quantize_column(
