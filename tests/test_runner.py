@@ -321,6 +321,14 @@ def test_verify_in_float64_compares_what_is_computed(tiny_model_dir, tmp_path):
     assert v["dtype"] == "float64" and v["greedy_agreement"] == 1.0
     assert v["logits"]["rel"] < 1e-12 and v["reference_floor"] is None
     assert abs(v["perplexity"]["rel_diff_pct"]) < 1e-8
+    # decode steps (the cache, the decode attention) compute what the whole-sequence pass does
+    runner = load_runner(run.path, "cpu", torch.float64)
+    seq = torch.randint(0, runner.args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    full = runner.full_logits(seq)[0]
+    runner.setup_caches(1, 16)
+    steps = [runner(seq[:, :8], torch.arange(8), attend_len=8, last_only=True)[0, -1]]
+    steps += [runner(seq[:, i:i + 1], torch.tensor([i]))[0, -1] for i in range(8, 12)]
+    assert (torch.stack(steps) - full[7:]).abs().max() < 1e-10
 
 
 def test_verify_recipe_needs_prompts_or_data(tmp_path):
