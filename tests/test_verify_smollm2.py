@@ -6,7 +6,8 @@ cache — through benchmarks/verify_runner.py at a small size (8 prompts × 32 g
 Weight-only schemes must agree on ≥ 99 % of greedy tokens. Schemes that round activations
 have a floor below that: the fake-quant model disagrees with its own float64 copy where a
 last-bit difference flips a code (`quantlab.runner.verify`), so for them the runner must sit at
-that floor (within 3 points), which a runner computing anything else would miss by far.
+that floor (within 3 points), which a runner computing anything else would miss by far. In
+float64 (`verify.precision`) no code flips on rounding, and those schemes too agree ≥ 99 %.
 """
 
 from __future__ import annotations
@@ -23,16 +24,22 @@ pytestmark = pytest.mark.slow
 WEIGHT_ONLY = ("w4a16-awq", "w4a16-gptq-act_order")
 
 
-@pytest.fixture(scope="module")
-def rows(tmp_path_factory) -> dict[str, dict]:
-    work = tmp_path_factory.mktemp("verify_runner")
+ROUNDING = ("w8a8-smoothquant", "fp8-int8-kv")
+
+
+def verify_rows(work, *extra: str) -> dict[str, dict]:
     out = work / "result.json"
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "verify_runner.py"), "--device", "cpu",
                            "--prompts", "8", "--new-tokens", "32", "--windows", "4", "--calib-samples", "8",
-                           "--work", str(work), "--out", str(out)],
+                           "--work", str(work), "--out", str(out), *extra],
                           capture_output=True, text=True, cwd=REPO, timeout=3600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {r["case"]: r for r in json.loads(out.read_text())["rows"]}
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory) -> dict[str, dict]:
+    return verify_rows(tmp_path_factory.mktemp("verify_runner"))
 
 
 def test_runner_perplexity_matches_fake_quant_within_half_a_percent(rows):
@@ -48,9 +55,21 @@ def test_weight_only_runner_agrees_on_99_percent_of_greedy_tokens(rows):
 
 
 def test_activation_rounding_runner_sits_at_the_reference_floor(rows):
-    for case in ("w8a8-smoothquant", "fp8-int8-kv"):
+    for case in ROUNDING:
         r = rows[case]
         assert r["greedy_agreement"] >= r["floor_agreement"] - 0.03, (case, r["greedy_agreement"], r["floor_agreement"])
         # the runner's logit error is the size of the reference's own rounding sensitivity
         floor = r["verify"]["reference_floor"]["logits_rel"]
         assert r["verify"]["logits"]["rel"] <= 1.5 * floor, (case, r["verify"]["logits"]["rel"], floor)
+
+
+def test_activation_rounding_runner_matches_in_float64(tmp_path):
+    """verify.precision float64: with rounding out of the way the runner computes what the
+    fake-quant model computes — the same logits to float64 rounding, ≥ 99 % of greedy tokens
+    (in fact all) and the same perplexity."""
+    rows64 = verify_rows(tmp_path, "--precision", "float64", "--only", ",".join(ROUNDING))
+    assert set(rows64) == set(ROUNDING)
+    for case, r in rows64.items():
+        assert r["greedy_agreement"] >= 0.99 and r["meets_bar"], (case, r["greedy_agreement"])
+        assert r["verify"]["logits"]["rel"] < 1e-10, (case, r["verify"]["logits"]["rel"])
+        assert abs(r["perplexity_delta_pct"]) < 1e-6, (case, r["perplexity_delta_pct"])
