@@ -1,25 +1,22 @@
 """Torch reference paths for every kernel: the test oracle, and the fallback where Triton or a
-suitable GPU is missing. They compute in float32 from the packed form, so they check the
-kernels, not the quantization (that is quantlab.quant's job)."""
+suitable GPU is missing. They compute from the packed form in float32 (float64 for float64
+inputs; 8-bit products are summed in float64 on the CPU, exactly), so they check the kernels,
+not the quantization (that is quantlab.quant's job)."""
 
 from __future__ import annotations
 
 import torch
 
 from quantlab.kernels.layout import PackedFP8, PackedW8A8, PackedWNA16, dequantize_wna16
+from quantlab.quant.activations import compute_dtype
 
 INT8_MAX = 127.0
 FP8_MAX = 448.0
 
 
-def _compute(x: torch.Tensor) -> torch.dtype:
-    """Scales and codes in float32, or float64 for float64 inputs (CPU verification)."""
-    return torch.promote_types(x.dtype, torch.float32)
-
-
 def quantize_act_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token symmetric int8: codes `[M, K]` int8 and scales `[M]` f32 (f64 for f64 x)."""
-    xc = x.to(_compute(x))
+    xc = x.to(compute_dtype(x))
     s = (xc.abs().amax(dim=-1) / INT8_MAX).clamp(min=1e-10)
     q = torch.clamp(torch.round(xc / s[..., None]), -INT8_MAX, INT8_MAX).to(torch.int8)
     return q, s
@@ -27,7 +24,7 @@ def quantize_act_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_act_fp8(x: torch.Tensor, per_row: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic FP8 e4m3 with `s = absmax / 448` per token (`[M]`) or per tensor (`[1]`)."""
-    xc = x.to(_compute(x))
+    xc = x.to(compute_dtype(x))
     amax = xc.abs().amax(dim=-1) if per_row else xc.abs().amax().reshape(1)
     s = (amax / FP8_MAX).clamp(min=1e-10)
     sb = s[..., None] if per_row else s
