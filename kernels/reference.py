@@ -1,6 +1,6 @@
 """Torch reference paths for every kernel: the test oracle, and the fallback where Triton or a
 suitable GPU is missing. They compute from the packed form in float32 (float64 for float64
-inputs; 8-bit products are summed in float64 on the CPU, exactly), so they check the kernels,
+inputs; int8 products are summed in float64 on the CPU, exactly), so they check the kernels,
 not the quantization (that is quantlab.quant's job)."""
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ def w8a8_mm(xq: torch.Tensor, sx: torch.Tensor, p: PackedW8A8,
 
 def fp8_mm(xq: torch.Tensor, sx: torch.Tensor, p: PackedFP8,
            out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """FP8 `xq [M, K]` (scale `[M]` or `[1]`) × FP8 W (scale `[N]` or `[1]`): float64 on the CPU
-    (exact products; the sum as exact as w8a8's), float32 on a GPU."""
-    dt = torch.float64 if xq.device.type == "cpu" else torch.float32
+    """FP8 `xq [M, K]` (scale `[M]` or `[1]`) × FP8 W (scale `[N]` or `[1]`), accumulated in
+    float32 as the fake-quant model's float32 matmul is (float64 for a float64 output)."""
+    dt = torch.promote_types(out_dtype, torch.float32)
     acc = xq.to(dt) @ p.w.to(dt).t()
     sa = sx.to(dt).reshape(-1, 1) if sx.numel() > 1 or xq.shape[0] == 1 else sx.to(dt)
     return (acc * sa * p.scale.to(dt)).to(out_dtype)
