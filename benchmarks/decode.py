@@ -172,9 +172,12 @@ def step_kernels(model, prompts: torch.Tensor, decode: str, steps: int = 32) -> 
         return {e.key: (e.count, getattr(e, total)) for e in prof.key_averages() if getattr(e, total) > 0}
 
     short, long = kernels(2), kernels(2 + steps)
-    rows = [{"kernel": name, "per_step": (n - short.get(name, (0, 0.0))[0]) / steps,
-             "us_per_step": (t - short.get(name, (0, 0.0))[1]) / steps} for name, (n, t) in long.items()]
-    return sorted((r for r in rows if r["per_step"] > 0.5), key=lambda r: -r["us_per_step"])
+    rows = []
+    for name, (n, t) in long.items():
+        n0, t0 = short.get(name, (0, 0.0))
+        if (n - n0) / steps > 0.5:  # launched every step, not once per generate
+            rows.append({"kernel": name, "per_step": (n - n0) / steps, "us_per_step": (t - t0) / steps})
+    return sorted(rows, key=lambda r: -r["us_per_step"])
 
 
 def time_runner(model, prompts: torch.Tensor, new_tokens: int, repeats: int, decode: str) -> dict[str, Any]:

@@ -217,11 +217,10 @@ def wna16_linear(x: torch.Tensor, p: PackedWNA16, bias: torch.Tensor | None = No
 
 
 def wna16_swiglu_ok(gate_up: torch.Tensor, p: PackedWNA16) -> bool:
-    """Whether `wna16_swiglu_linear` runs as one GEMV here: requested (`swiglu_gemv_requested`),
-    a single token row (decode at batch 1) on the Triton kernels, and a layout the GEMV takes
-    without an act-order gather."""
-    return (swiglu_gemv_requested() and gate_up.numel() == gate_up.shape[-1] and p.swiglu_ok
-            and use_triton(gate_up))
+    """Whether `wna16_swiglu_linear` runs as one GEMV: requested (`swiglu_gemv_requested`), a
+    single token row (decode at batch 1), and a layout the GEMV takes without an act-order
+    gather. The caller has checked that the Triton kernels run on this device and dtype."""
+    return swiglu_gemv_requested() and gate_up.numel() == gate_up.shape[-1] and p.swiglu_ok
 
 
 def wna16_swiglu_linear(gate_up: torch.Tensor, p: PackedWNA16) -> torch.Tensor:

@@ -16,7 +16,7 @@ FP8_MAX = 448.0
 
 def quantize_act_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token symmetric int8: codes `[M, K]` int8 and scales `[M]` f32 (f64 for f64 x)."""
-    xc = x.to(compute_dtype(x))
+    xc = x.to(compute_dtype(x.dtype))
     s = (xc.abs().amax(dim=-1) / INT8_MAX).clamp(min=1e-10)
     q = torch.clamp(torch.round(xc / s[..., None]), -INT8_MAX, INT8_MAX).to(torch.int8)
     return q, s
@@ -24,7 +24,7 @@ def quantize_act_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_act_fp8(x: torch.Tensor, per_row: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic FP8 e4m3 with `s = absmax / 448` per token (`[M]`) or per tensor (`[1]`)."""
-    xc = x.to(compute_dtype(x))
+    xc = x.to(compute_dtype(x.dtype))
     amax = xc.abs().amax(dim=-1) if per_row else xc.abs().amax().reshape(1)
     s = (amax / FP8_MAX).clamp(min=1e-10)
     sb = s[..., None] if per_row else s
@@ -52,7 +52,7 @@ def fp8_mm(xq: torch.Tensor, sx: torch.Tensor, p: PackedFP8,
            out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """FP8 `xq [M, K]` (scale `[M]` or `[1]`) × FP8 W (scale `[N]` or `[1]`), accumulated in
     float32 as the fake-quant model's float32 matmul is (float64 for a float64 output)."""
-    dt = torch.promote_types(out_dtype, torch.float32)
+    dt = compute_dtype(out_dtype)
     acc = xq.to(dt) @ p.w.to(dt).t()
     sa = sx.to(dt).reshape(-1, 1) if sx.numel() > 1 or xq.shape[0] == 1 else sx.to(dt)
     return (acc * sa * p.scale.to(dt)).to(out_dtype)

@@ -793,9 +793,9 @@ def _launch_fused(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, config: di
 
 
 def _launch(path: str, x: torch.Tensor, p: PackedWNA16, out: torch.Tensor,
-            config: dict | None) -> None:
+            config: dict | None, glu: bool = False) -> None:
     if path == "gemv":
-        _launch_gemv(x, p, out, config)
+        _launch_gemv(x, p, out, config, glu)
     elif path == "fused":
         _launch_fused(x, p, out, config)
     else:
@@ -842,14 +842,11 @@ def wna16_matmul(x: torch.Tensor, p: PackedWNA16, impl: str = "auto",
     assert out.shape == (m, p.out_features) and out.is_contiguous() and out.dtype == x.dtype
     if m == 0:
         return out
-    path = IMPLS[impl]
+    path = "gemv" if glu else IMPLS[impl]
     if path == "auto":
         path = _auto_path(m, p) if config is None else "fused" if "BLOCK_M" in config else "gemv"
     if path == "gemv" and not p.gemv_ok:
         raise ValueError(f"the GEMV takes groups of {256 // p.bits} k or multiples, "
                          f"got {p.group_size}")
-    if glu:
-        _launch_gemv(x, p, out, config, glu=True)
-    else:
-        _launch(path, x, p, out, config)
+    _launch(path, x, p, out, config, glu)
     return out

@@ -22,19 +22,20 @@ def qmax_of(kind: str) -> float:
     return INT8_MAX if kind == "int8" else FP8_MAX
 
 
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype scales and codes are computed in: float32, or float64 for float64 tensors (a
-    float64 comparison of two implementations must not round through float32 anywhere)."""
-    return torch.promote_types(x.dtype, torch.float32)
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What tensors of `dtype` are quantized, dequantized and softmaxed in: float32, or float64
+    for float64 (a float64 comparison of two implementations must not round through float32
+    anywhere)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def scale_from_absmax(absmax: torch.Tensor, kind: str) -> torch.Tensor:
-    return (absmax.to(compute_dtype(absmax)) / qmax_of(kind)).clamp(min=1e-10)
+    return (absmax.to(compute_dtype(absmax.dtype)) / qmax_of(kind)).clamp(min=1e-10)
 
 
 def fake_quant(x: torch.Tensor, scale: torch.Tensor, kind: str) -> torch.Tensor:
     """Quantize-dequantize `x` with a broadcastable `scale` to int8 or fp8 e4m3."""
-    ct = compute_dtype(x)
+    ct = compute_dtype(x.dtype)
     y = x.to(ct) / scale
     if kind == "int8":
         q = torch.clamp(torch.round(y), INT8_MIN, INT8_MAX)

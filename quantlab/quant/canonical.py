@@ -45,6 +45,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from quantlab.models.moe import unfuse_experts
+from quantlab.quant.activations import compute_dtype
 from quantlab.quant.packing import pack, unpack
 from quantlab.quant.primitives import QuantizedWeight
 from quantlab.quant.scheme import WeightScheme
@@ -172,7 +173,7 @@ def load_fake_quant_model(source: Path, dtype: torch.dtype = torch.float32) -> t
     unfuse_experts(model)  # MoE: the canonical form names per-expert Linears
     tensors, quantized = load_canonical(source)
     state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
-    wide = torch.promote_types(dtype, torch.float32)  # float64 models dequantize exactly
+    wide = compute_dtype(dtype)  # float64 models dequantize exactly
     state.update({f"{name}.weight": qw.dequantize(wide).to(dtype) for name, qw in quantized.items()})
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()

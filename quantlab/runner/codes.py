@@ -20,14 +20,14 @@ STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 def encode(x: torch.Tensor, scale: torch.Tensor, kind: str) -> torch.Tensor:
     """`x / scale` as int8 codes on [−128, 127] or FP8 e4m3 codes (saturating)."""
-    y = x.to(compute_dtype(x)) / scale
+    y = x.to(compute_dtype(x.dtype)) / scale
     if kind == "int8":
         return torch.clamp(torch.round(y), INT8_MIN, INT8_MAX).to(torch.int8)
     return torch.clamp(y, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
 def decode(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (codes.to(torch.promote_types(dtype, torch.float32)) * scale).to(dtype)
+    return (codes.to(compute_dtype(dtype)) * scale).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -62,9 +62,9 @@ class InputQuant:
     def quantize_torch(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`quantize` in torch ops: the CPU path, what torch.compile fuses, the kernel's reference."""
         if self.per_token:
-            amax = x2.to(compute_dtype(x2)).abs().amax(dim=-1)
+            amax = x2.to(compute_dtype(x2.dtype)).abs().amax(dim=-1)
         elif self.absmax is None:
-            amax = x2.to(compute_dtype(x2)).abs().amax().reshape(1)
+            amax = x2.to(compute_dtype(x2.dtype)).abs().amax().reshape(1)
         else:
             amax = self.absmax.reshape(1)
         scale = scale_from_absmax(amax, self.kind)

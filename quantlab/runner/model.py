@@ -22,6 +22,7 @@ from torch import nn
 
 from quantlab.errors import UserError
 from quantlab.kernels import ops
+from quantlab.quant.activations import compute_dtype
 from quantlab.runner.kv import KVCache, KVQuant
 from quantlab.runner.linear import swiglu_down
 
@@ -162,8 +163,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     if length > 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=kvh != h)
     qg = q.reshape(b, kvh, h // kvh, d)  # query head i belongs to KV head i // (h / kvh)
-    # softmax in float32 at least (bf16 / fp16 scores), float64 stays float64
-    scores = (qg @ k.transpose(-1, -2)).to(torch.promote_types(q.dtype, torch.float32)) * (1.0 / math.sqrt(d))
+    scores = (qg @ k.transpose(-1, -2)).to(compute_dtype(q.dtype)) * (1.0 / math.sqrt(d))
     scores = scores.masked_fill(~mask, float("-inf"))  # [B, 1, 1, S] broadcasts over the group
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return (probs @ v).reshape(b, h, 1, d)
