@@ -5,10 +5,13 @@ count. Baselines run in the same process: bf16 F.linear (cuBLAS), torch._int_mm,
 (per-row scales) and torch's tinygemm int4 kernel (_weight_int4pack_mm, its own packing); at
 M = 1 also the read floors (read_floor.py: a kernel that only reads the W4A16 / bf16 weight's
 bytes — the fastest any GEMM over those bytes could be).
-Times are medians of triton.testing.do_bench (events, L2 flushed between runs) over CUDA-graph
-replays of each call (so host launch overhead is out, as in a graphed decode loop); eager times
-(one Python call per run) are kept in the JSON as ms_eager. Each quantized
-case is also checked against its torch reference on the GPU (rel = ‖y−ref‖/‖ref‖).
+Times are medians of CUDA-event timings over CUDA-graph replays of each call (so host launch
+overhead is out, as in a graphed decode loop). `ops.bench_cold` flushes L2 before each run: by
+default by reading a buffer far larger than L2, so the lines left behind are clean as in a decode
+step; `--flush dirty` writes it instead, as triton's do_bench does, which adds write-back traffic
+to every kernel's first reads. Eager times (one Python call per run) are kept in the JSON as
+ms_eager. Each quantized case is also checked against its torch reference on the GPU
+(rel = ‖y−ref‖/‖ref‖).
 
     python benchmarks/gemm.py --out DIR [--ms 1,16,64,256,4096] [--shapes qwen_up,...]
 """
@@ -56,16 +59,16 @@ def _import_kernels():
     return qk
 
 
-def bench(fn, rep: int = 30) -> float:
-    import triton.testing
+def bench(fn, rep: int = 30, dirty: bool = False) -> float:
+    from quantlab.kernels.ops import bench_cold
 
-    return float(triton.testing.do_bench(fn, warmup=5, rep=rep, return_mode="median"))
+    return float(bench_cold(fn, rep_ms=rep, dirty=dirty))
 
 
 def graphed(fn):
     """fn (already warmed up and autotuned) as a CUDA-graph replay: timings exclude host launch
     overhead (Python + Triton's launcher), as a decode loop under CUDA graphs would see it;
-    do_bench still flushes L2 before every replay."""
+    the timer still flushes L2 before every replay."""
     from quantlab.kernels.ops import graph_replay
 
     return graph_replay(fn)
@@ -163,11 +166,12 @@ def run(args) -> dict:
     dev = torch.cuda.get_device_properties(0)
     bw = copy_bandwidth()
     meta = {"device": dev.name, "sms": dev.multi_processor_count, "torch": torch.__version__,
-            "triton": triton.__version__, "copy_GBps": bw, "python": platform.python_version(),
+            "triton": triton.__version__, "copy_GBps": bw, "flush": args.flush, "python": platform.python_version(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     print(f"# {dev.name}: device copy {bw:.0f} GB/s; torch {torch.__version__}, triton {triton.__version__}",
           flush=True)
     ms_list = [int(v) for v in args.ms.split(",")]
+    dirty = args.flush == "dirty"
     names = args.shapes.split(",") if args.shapes else list(SHAPES)
     rows = []
     for name in names:
@@ -204,6 +208,9 @@ def run(args) -> dict:
                     for impl in ("gemv", "fused"):
                         variants[f"w{bits}a16_{impl}"] = (
                             lambda pw=pw, impl=impl: wna16_matmul(x, pw, impl=impl), ref)
+            if args.kinds:  # bf16 always: the speed-ups are against it
+                keep = {"bf16", *args.kinds.split(",")}
+                variants = {kk: v for kk, v in variants.items() if kk in keep}
             times = {}
             for kind, (fn, ref) in variants.items():
                 rec = {"shape": name, "K": k, "N": n, "M": m, "kind": kind}
@@ -217,8 +224,8 @@ def run(args) -> dict:
                             xq8, sx8, case.i8, torch.float32))
                     elif kind == "scaled_mm":
                         rec["rel_err"] = rel_err(y, reference.fp8_mm(xf8, sf8, case.f8))
-                    rec["ms_eager"] = bench(fn)
-                    t = bench(graphed(fn))
+                    rec["ms_eager"] = bench(fn, dirty=dirty)
+                    t = bench(graphed(fn), dirty=dirty)
                     times[kind] = t
                     base = (kind.split("_")[0] if kind.startswith(("w4a16", "w8a16")) else
                             kind.removeprefix("read_"))
@@ -292,7 +299,8 @@ def markdown(res: dict) -> str:
     lines = [f"# GEMM benchmark — {meta['device']}", "",
              f"torch {meta['torch']}, triton {meta['triton']}; measured device copy bandwidth "
              f"{meta['copy_GBps']:.0f} GB/s (read + write). Times: median µs of CUDA-graph replays "
-             "(do_bench, L2 flushed before each; eager µs in parentheses). "
+             f"(L2 flushed before each, {meta.get('flush', 'dirty')}: see the module docstring; eager µs in "
+             "parentheses). "
              "× = speed-up vs bf16 cuBLAS; BW% = achieved bytes/s over the copy bandwidth; rel = "
              "‖y − ref‖/‖ref‖ against the torch reference.", "",
              "| shape (K×N) | M | kind | µs (eager) | × bf16 | GB/s | BW% | TFLOP/s | rel err |",
@@ -325,6 +333,9 @@ def main() -> None:
     ap.add_argument("--ms", default="1,16,64,256,4096")
     ap.add_argument("--shapes", default="")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--kinds", default="", help="only these kinds (and bf16), e.g. w4a16,read_w4a16")
+    ap.add_argument("--flush", choices=("clean", "dirty"), default="clean",
+                    help="L2 flush before each timed run: read (clean lines) or write (dirty)")
     args = ap.parse_args()
     res = run(args)
     save(res, args)

@@ -21,11 +21,12 @@ SENTINEL = 0x5EED1234
 @triton.jit
 def _read_kernel(qw_ptr, s_ptr, z_ptr, y_ptr, M, N, NBLK, NG, sentinel, SPLIT_K,
                  GROUP_BLOCKS: tl.constexpr, HAS_GROUPS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PDL: tl.constexpr = False):
+                 PDL: tl.constexpr = False, STAGES: tl.constexpr = 1):
     """XOR of the word rows [8·b0, 8·b1) of `qw [8·NBLK, N]` (int32) for BLOCK_N columns, and
     with HAS_GROUPS of each block's scales and zeros row (one per GROUP_BLOCKS blocks, bf16
     `[NG, N]`), as the GEMV reads them. PDL (with `launch_pdl=True`): the next kernel may
-    launch at once; the store waits for the previous kernel (which may read y)."""
+    launch at once; the store waits for the previous kernel (which may read y). STAGES > 1:
+    through Triton's software pipeline (cp.async, STAGES − 1 blocks ahead), as the GEMV may."""
     if PDL:
         gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -37,7 +38,7 @@ def _read_kernel(qw_ptr, s_ptr, z_ptr, y_ptr, M, N, NBLK, NG, sentinel, SPLIT_K,
     b0 = pid_k * per
     b1 = tl.minimum(b0 + per, NBLK)
     acc = tl.zeros([BLOCK_N, 8], dtype=tl.int32)
-    for b in range(b0, b1):
+    for b in tl.range(b0, b1, num_stages=STAGES):
         acc ^= tl.load(qw_ptr + (b * 8 + offs_j)[None, :] * N + offs_n[:, None],
                        mask=n_mask[:, None], other=0)
         if HAS_GROUPS:
@@ -59,8 +60,8 @@ def _prune(configs, named_args, **_):
 
 
 # The GEMV's widths and splits, autotuned per shape like the kernels (CUDA-graph replays).
-CONFIGS = [triton.Config(dict(BLOCK_N=bn, SPLIT_K=sk), num_warps=w)
-           for bn, w in ((128, 1), (256, 2), (1024, 4))
+CONFIGS = [triton.Config(dict(BLOCK_N=bn, SPLIT_K=sk, STAGES=st), num_warps=w)
+           for bn, w in ((128, 1), (256, 2), (1024, 4)) for st in (1, 4)
            for sk in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80)]
 _TUNED = triton.autotune(configs=CONFIGS, key=["M", "N", "NBLK", "HAS_GROUPS"],
                          do_bench=autotune_bench, cache_results=True,

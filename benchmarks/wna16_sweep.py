@@ -2,7 +2,7 @@
 
 Times every explicit config (no autotuning) of quantlab.kernels.triton_wna16 on the given
 shapes and token counts next to bf16 cuBLAS and torch's tinygemm, the same way as
-benchmarks/gemm.py (CUDA-graph replays, do_bench with L2 flushed), checks each against the
+benchmarks/gemm.py (CUDA-graph replays, L2 flushed clean before each), checks each against the
 torch reference, and prints the best configs per case; `--out DIR` also writes
 `wna16_sweep.json` there. Used to pick CONFIGS in the kernel module:
 
@@ -44,9 +44,14 @@ DEEP_SMALL = [(64, bn, w, st, u, False, None) for bn, w in ((128, 8), (64, 4)) f
 LARGE = [(bm, bn, 8, st, u, False, None) for bm, bn in ((128, 128), (256, 128), (128, 256))
          for st in (2, 3, 4) for u in (1, 2)]
 SPLITS = (1, 2, 4, 8, 16)
-# The M = 1 CUDA-core GEMV: (BLOCK_N, num_warps, num_stages, PF, DENORM); split-K is swept.
-GEMV = [(bn, w, 1, pf, dn) for bn, w in ((128, 1), (256, 1), (256, 2), (512, 2), (512, 4), (128, 2))
+# The M = 1 CUDA-core GEMV: (BLOCK_N, num_warps, PF, DENORM, STAGES); split-K is swept.
+GEMV = [(bn, w, pf, dn, 1) for bn, w in ((128, 1), (256, 1), (256, 2), (512, 2), (512, 4), (128, 2))
         for pf, dn in ((True, False), (False, False), (True, True))]
+# --deep: the words through the software pipeline (STAGES − 1 blocks in flight per program).
+DEEP_GEMV = [(bn, w, True, True, st) for bn, w in ((128, 1), (256, 2), (512, 4))
+             for st in (3, 4, 6)]
+# 8 columns per thread: each activation a thread loads and scales serves twice the weights.
+DEEP_GEMV += [(bn, w, True, True, st) for bn, w in ((256, 1), (512, 2), (1024, 4)) for st in (2, 3, 4)]
 GEMV_SPLITS = (2, 4, 8, 16, 32)
 
 
@@ -69,9 +74,12 @@ def configs(m: int, nblk: int, deep: str | None = None, n: int = 1,
                                maxnreg=r))
                 for sk in (splits(SPLITS, -(-n // bn) * -(-m // bm)) if m <= 64 else (1,))
                 if sk == 1 or nblk // u >= 2 * sk]
-    if m == 1 and deep != "only":
-        out += [("gemv", dict(BLOCK_N=bn, SPLIT_K=sk, PF=pf, DENORM=dn, num_warps=w, num_stages=st))
-                for bn, w, st, pf, dn in GEMV for sk in splits(GEMV_SPLITS, -(-n // bn)) if nblk >= 2 * sk]
+    if m == 1:
+        gemv = {"": GEMV, "add": GEMV + DEEP_GEMV, "only": DEEP_GEMV}[deep or ""]
+        out += [("gemv", dict(BLOCK_N=bn, SPLIT_K=sk, PF=pf, DENORM=dn, STAGES=st, num_warps=w,
+                              num_stages=1))
+                for bn, w, pf, dn, st in gemv for sk in splits(GEMV_SPLITS, -(-n // bn))
+                if nblk >= 2 * sk]
     return out
 
 

@@ -63,15 +63,67 @@ def graph_replay(fn: Callable[[], object]) -> Callable[[], None]:
     return capture_graph(fn)[0].replay
 
 
+_FLUSH: dict[torch.device, torch.Tensor] = {}
+FLUSH_BYTES = 256 << 20  # five times an H100's or H200's 50 MB L2
+
+
+def flush_l2(device: torch.device, dirty: bool = False) -> None:
+    """Evict the L2 cache before a timed run. The default reads a buffer five times its size,
+    leaving clean lines, as a decode step finds L2 after the previous layer's weight reads.
+    `dirty` writes it instead (triton's do_bench zeroes a buffer): every line is then dirty,
+    and a kernel that reads fresh bytes also pays for writing back as many — up to 50 MB,
+    which costs a 36 MB int4 weight read far more than a 136 MB bf16 one."""
+    buf = _FLUSH.get(device)
+    if buf is None:
+        buf = _FLUSH[device] = torch.ones(FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+    if dirty:
+        buf.fill_(1)
+    else:
+        buf.amax()
+
+
+def bench_cold(fn: Callable[[], object], warmup_ms: float = 5, rep_ms: float = 20,
+               quantiles=None, dirty: bool = False):
+    """do_bench's protocol (CUDA events around each run, L2 flushed before it, runs for about
+    `rep_ms` after `warmup_ms`) with `flush_l2`'s choice of flush. Returns the median in ms,
+    or the list of `quantiles` as do_bench does."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    fn()
+    torch.cuda.synchronize()
+    probe = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    probe[0].record()
+    for _ in range(5):
+        flush_l2(device, dirty)
+        fn()
+    probe[1].record()
+    torch.cuda.synchronize()
+    estimate = max(probe[0].elapsed_time(probe[1]) / 5, 1e-3)
+    for _ in range(max(1, int(warmup_ms / estimate))):
+        fn()
+    runs = max(1, int(rep_ms / estimate))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(runs)]
+    for start, end in events:
+        flush_l2(device, dirty)
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    times = torch.tensor([s.elapsed_time(e) for s, e in events])
+    if quantiles is None:
+        return times.median().item()
+    return torch.quantile(times, torch.tensor(quantiles)).tolist()
+
+
 def autotune_bench(fn: Callable[[], object], quantiles=None):
-    """The autotuners' timer: CUDA-graph replays, L2 flushed before each (do_bench). Timed
-    eagerly, a 10–20 µs kernel hides behind its own launch overhead and the autotuner picks at
-    random among the small-shape configs (an H200, W4A16 at K×N = 3584×512, M = 64: 20.0 µs
-    picked against 13.1 µs for the best config)."""
+    """The autotuners' timer: CUDA-graph replays, L2 flushed (clean, `flush_l2`) before each.
+    Timed eagerly, a 10–20 µs kernel hides behind its own launch overhead and the autotuner
+    picks at random among the small-shape configs (an H200, W4A16 at K×N = 3584×512, M = 64:
+    20.0 µs picked against 13.1 µs for the best config)."""
     import triton.testing
 
     if torch.cuda.is_available() and not interpret_mode():
-        fn = graph_replay(fn)
+        return bench_cold(graph_replay(fn), quantiles=quantiles)
     return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
 
 

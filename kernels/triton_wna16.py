@@ -373,7 +373,8 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
                  M, N, K, NBLK, NG, stride_xm, stride_ym, magic32,
                  BITS: tl.constexpr, GROUP: tl.constexpr,
                  SPLIT_K, BLOCK_N: tl.constexpr, SPLIT_P2: tl.constexpr, PF: tl.constexpr = True,
-                 DENORM: tl.constexpr = False, PDL: tl.constexpr = 0, GLU: tl.constexpr = False):
+                 DENORM: tl.constexpr = False, PDL: tl.constexpr = 0, GLU: tl.constexpr = False,
+                 STAGES: tl.constexpr = 1):
     """See the module docstring; one token row per grid row (program_id 2). A `[BLOCK_N, 8]`
     block with BLOCK_N = 128·num_warps gives each thread all 8 words of its 4 columns. GROUP:
     0 (per-channel) or a multiple of the block (one group per block). The next block's words
@@ -388,7 +389,12 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
 
     GLU: x is the gate/up projection's output `[gate | up]` and the GEMV multiplies
     `silu(gate)·up` (`_gemv_inputs`): a SwiGLU MLP's down projection without the kernel that
-    would write that product between the two GEMVs."""
+    would write that product between the two GEMVs.
+
+    STAGES > 1: the words come through Triton's software pipeline instead (`tl.range` with
+    num_stages: cp.async into STAGES − 1 shared-memory buffers ahead of the one in use), so
+    each program keeps several blocks in flight without holding them in registers; the
+    one-block register prefetch of the words is then off."""
     BK: tl.constexpr = 256 // BITS
     OUT: tl.constexpr = y_ptr.dtype.element_ty
     if PDL == 2:
@@ -408,16 +414,22 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
     s = _col_params(s_ptr, 0, offs_n, n_mask, N)
     z = _col_params(z_ptr, 0, offs_n, n_mask, N)
     w_ptrs = qw_ptr + (b0 * 8 + offs_j)[None, :] * N + offs_n[:, None]
-    w_next = tl.load(w_ptrs, mask=(offs_n < tl.where(b0 < b1, N, 0))[:, None], other=0)
+    if STAGES == 1:
+        w_next = tl.load(w_ptrs, mask=(offs_n < tl.where(b0 < b1, N, 0))[:, None], other=0)
     if PDL > 0:
         gdc_wait()
     if PF:
         x_next, s_next, z_next = _gemv_inputs(x_row, s_ptr, z_ptr, b0, b1, k_in, s, z, offs_n,
                                               n_mask, N, K, NG, BITS, GROUP, GLU)
-    for b in range(b0, b1):
-        w = w_next
-        w_ptrs += 8 * N
-        w_next = tl.load(w_ptrs, mask=(offs_n < tl.where(b + 1 < b1, N, 0))[:, None], other=0)
+    for b in tl.range(b0, b1, num_stages=STAGES):
+        if STAGES == 1:
+            w = w_next
+            w_ptrs += 8 * N
+            w_next = tl.load(w_ptrs, mask=(offs_n < tl.where(b + 1 < b1, N, 0))[:, None],
+                             other=0)
+        else:
+            w = tl.load(qw_ptr + (b * 8 + offs_j)[None, :] * N + offs_n[:, None],
+                        mask=n_mask[:, None], other=0)
         if PF:
             xv, s, z = x_next, s_next, z_next
             x_next, s_next, z_next = _gemv_inputs(x_row, s_ptr, z_ptr, b + 1, b1, k_in, s, z,
@@ -635,6 +647,10 @@ GEMV_CONFIGS = [triton.Config(_gemv_meta(dict(BLOCK_N=128 * w, SPLIT_K=sk, PF=pf
                               num_warps=w, num_stages=1, maxnreg=r)
                 for w, regs in ((1, (None, 128)), (2, (None,))) for r in regs
                 for sk in (4, 8, 16, 32) for pf, dn in ((True, False), (False, False), (True, True))]
+# The words through the software pipeline (STAGES, session 12).
+GEMV_CONFIGS += [triton.Config(_gemv_meta(dict(BLOCK_N=128 * w, SPLIT_K=sk, PF=True, DENORM=True,
+                                               STAGES=st)), num_warps=w, num_stages=1)
+                 for w in (1, 2, 4) for st in (3, 5) for sk in (4, 8, 16, 32)]
 DECODE_MAX_M = 64  # above: dequantize + cuBLAS
 DEQUANT_BLOCK_N = 128
 

@@ -176,6 +176,9 @@ WNA16_CASES = [  # bits, group, M, impl, config (None = the interpreter default)
     (4, 128, 2, "gemv", dict(BLOCK_N=32, SPLIT_K=3, PF=False, DENORM=True), torch.bfloat16),
     (8, None, 1, "gemv", dict(BLOCK_N=64, SPLIT_K=2, PF=True, DENORM=True), torch.float16),
     (4, 128, 1, "gemv", dict(BLOCK_N=64, SPLIT_K=2, PF=True, DENORM=False), torch.bfloat16),
+    # the words through the software pipeline (cp.async on a GPU; plain loads in the interpreter)
+    (4, 128, 1, "gemv", dict(BLOCK_N=32, SPLIT_K=3, PF=True, DENORM=True, STAGES=3), torch.bfloat16),
+    (8, None, 2, "gemv", dict(BLOCK_N=64, SPLIT_K=2, PF=False, DENORM=False, STAGES=4), torch.float16),
     # tensor cores, default JOIN: whole-iteration operand (int8 under bf16 on a GPU; every
     # case in the interpreter, where FAST — int4 on a GPU — cannot run)
     (4, 32, 1, "auto", dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=1, U=2, PF=False), torch.bfloat16),
@@ -344,7 +347,7 @@ def test_gemv_pdl_loads_words_before_waiting_on_the_previous_kernel():
     needed), it lets the next kernel launch before any load, loads weight words before
     `griddepcontrol.wait`, and every 16-bit load (activations, scales, zeros) and workspace
     atomic comes after the wait. Without PDL no grid-dependency instruction is emitted."""
-    consts = dict(BITS=4, GROUP=128, BLOCK_N=128, SPLIT_P2=8, PF=True, DENORM=True, GLU=False)
+    consts = dict(BITS=4, GROUP=128, BLOCK_N=128, SPLIT_P2=8, PF=True, DENORM=True, GLU=False, STAGES=1)
     mod = "quantlab.kernels.triton_wna16"
     plain = sm90_ptx(mod, "_gemv_kernel", GEMV_SIG, {**consts, "PDL": 0}, num_warps=1, num_stages=1)
     assert not any("griddepcontrol" in ln for ln in plain)
