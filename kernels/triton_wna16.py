@@ -8,7 +8,10 @@ kernels/layout.py (one format per bit width: K permuted within blocks of 8 words
 Each thread owns 4 columns × the 8 words of a block, so the K reduction stays in registers.
 The next block's words, activations, scales and zeros are loaded before the current block is
 used (Triton software-pipelines only loads that feed dots; without this prefetch each block
-waits on its activation and scale loads: +10–20% time at int4 g128 on an H200). Codes are
+waits on its activation and scale loads: +10–20% time at int4 g128 on an H200). With STAGES
+the words instead go through `tl.range`'s software pipeline (cp.async into shared memory,
+STAGES − 1 blocks ahead; the other loads keep the register prefetch): the autotuner picks 3
+stages on every shape on an H100 and an H200 (qwen_up H200 17.1 → 15.8 µs). Codes are
 taken in *stored* order, and the activations are gathered in that same order (`_stored_k`, a
 few index operations once per program) — a GEMV needs no particular K order. Two ways to turn
 a code into a float (the autotuner picks; on an H200 it picks the first on every MLP shape):
@@ -51,11 +54,14 @@ Split-K (SPLIT_K programs along K per output tile) sums its partials determinist
 (`split_k.py`). The autotuner gets, per shape, the splits that fill whole waves of programs
 (`split_k.WAVES`; not only powers of 2), timed as CUDA-graph replays (`ops.autotune_bench`).
 
-Measured on an H200 (benchmarks/results/gemm_nvidia_h200*.md, CUDA graphs, L2 flushed), on
-the Qwen2-7B / Llama-3-8B MLP shapes: W4A16 g128 at M = 1 2.2–2.35× bf16 cuBLAS (faster than
-torch's tinygemm; 1.16–1.19× the time of only reading the weight), at M = 16 1.55–1.7×, at
-M = 64 0.97–1.16× (the attention shapes: 1.04–1.33× at M = 16, 0.83–1.03× at M = 64); W8A16
-at M = 1 1.6–1.7×. What bounds them (Nsight Compute, benchmarks/profile_wna16.py, before
+Measured on an H100 (benchmarks/results/gemm_h100_s13.md, session 13: CUDA graphs, L2 flushed
+clean before each run), on the Qwen2-7B / Llama-3-8B MLP shapes: W4A16 g128 at M = 1
+2.46–2.94× bf16 cuBLAS (faster than torch's tinygemm; 1.13–1.19× the time of only reading
+the weight), at M = 16 1.79–2.01×, at M = 64 1.20–1.31× (the attention shapes: 0.99–1.37× at
+M = 16, 0.80–0.96× at M = 64). On an H200 (gemm_nvidia_h200_s12.md) the same kernels give
+2.26–2.41× at M = 1 and 1.40–1.45× at M = 16 on qwen_up / qwen_down: its faster memory makes
+the fixed cost of a single call a larger share. W8A16 at M = 1 1.6–1.7× (H200).
+What bounds them (Nsight Compute, benchmarks/profile_wna16.py, before
 DENORM): the GEMV was issue-bound — 4.1 instructions per weight (LOP3, the float32 `q − z`,
 the FMA, and the activations' trip through shared memory), 255 registers, 8 warps per SM, one
 issued every 1.7 cycles; the tensor-core kernel at M = 16 waits on global loads (occupancy
@@ -381,11 +387,12 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
     are loaded before the current one is used; with PF its activations, scales and zeros too
     (each iteration would otherwise wait on those loads).
 
-    PDL (launched with `launch_pdl=True`, Hopper's programmatic dependent launch): the first
-    block's words, scales and zeros are loaded before waiting on the previous kernel, which
-    wrote x — weights never depend on it — and the next kernel may launch from the start of
-    the loop (PDL = 2) or after it (PDL = 1). Nothing in the workspace is touched before the
-    wait, so overlapping GEMVs share it safely.
+    PDL (launched with `launch_pdl=True`, Hopper's programmatic dependent launch): with
+    STAGES = 1 the first block's words, scales and zeros are loaded before waiting on the
+    previous kernel, which wrote x — weights never depend on it; the staged loop's prologue
+    comes after the wait. The next kernel may launch from the start of the loop (PDL = 2) or
+    after it (PDL = 1). Nothing in the workspace is touched before the wait, so overlapping
+    GEMVs share it safely.
 
     GLU: x is the gate/up projection's output `[gate | up]` and the GEMV multiplies
     `silu(gate)·up` (`_gemv_inputs`): a SwiGLU MLP's down projection without the kernel that
