@@ -52,6 +52,10 @@ DEEP_GEMV = [(bn, w, True, True, st) for bn, w in ((128, 1), (256, 2), (512, 4))
              for st in (3, 4, 6)]
 # 8 columns per thread: each activation a thread loads and scales serves twice the weights.
 DEEP_GEMV += [(bn, w, True, True, st) for bn, w in ((256, 1), (512, 2), (1024, 4)) for st in (2, 3, 4)]
+# 2 columns per thread: twice the column tiles, so half the split (and its reduction) for the
+# same programs on a narrow-N, long-K shape. Lost on an H100 (session 13): qwen_down best 20.0
+# µs at split 28 against 19.7 for 128 columns at split 32.
+DEEP_GEMV += [(64, 1, True, True, st) for st in (1, 3, 4)]
 GEMV_SPLITS = (2, 4, 8, 16, 32)
 
 
