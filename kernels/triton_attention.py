@@ -10,7 +10,7 @@ batch-1 step still spreads over the GPU.
 
 Two launches: per (row, KV head, split) the running max, the sum of exponentials and the
 weighted values of the KV head's query heads (the GQA group, padded to 16 rows for the MMA);
-then their combination. Scores stay float32 (the torch path rounds q·k to the compute dtype
+then their combination, one program per query head. Scores stay float32 (the torch path rounds q·k to the compute dtype
 first), so the two agree to that rounding, not bit for bit.
 """
 
@@ -87,29 +87,31 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, mask_ptr, pos_ptr, m_pt
 
 @triton.jit
 def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, NSPLIT, KVH, stride_ob, stride_oh,
-                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr = False):
+                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                    NSPLIT_P2: tl.constexpr, PDL: tl.constexpr = False):
+    """One query head per program: every split's max, sum and values in one load each. (A
+    loop over the splits per KV head made this launch as long as the partials' on an H100:
+    one dependent round trip to memory per split, on 4 programs.)"""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
     bh = tl.program_id(0)
+    g = tl.program_id(1)
     b = bh // KVH
     h = bh % KVH
-    offs_g = tl.arange(0, BLOCK_G)
+    splits = tl.arange(0, NSPLIT_P2)
     offs_d = tl.arange(0, D)
-    m_all = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    for i in range(NSPLIT):
-        m_all = tl.maximum(m_all, tl.load(m_ptr + (bh * NSPLIT + i) * BLOCK_G + offs_g))
-    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
-    total = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, D], tl.float32)
-    for i in range(NSPLIT):
-        row = bh * NSPLIT + i
-        w = tl.exp(tl.load(m_ptr + row * BLOCK_G + offs_g) - m_safe)
-        total += w * tl.load(l_ptr + row * BLOCK_G + offs_g)
-        acc += w[:, None] * tl.load(acc_ptr + (row * BLOCK_G + offs_g)[:, None] * D + offs_d[None, :])
-    out = acc / total[:, None]
-    tl.store(out_ptr + b * stride_ob + (h * GROUP + offs_g)[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=(offs_g < GROUP)[:, None])
+    valid = splits < NSPLIT
+    rows = (bh * NSPLIT + splits) * BLOCK_G + g
+    m = tl.load(m_ptr + rows, mask=valid, other=float("-inf"))
+    l_ = tl.load(l_ptr + rows, mask=valid, other=0.0)
+    acc = tl.load(acc_ptr + rows[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
+    m_all = tl.max(m, axis=0)
+    w = tl.exp(m - tl.where(m_all == float("-inf"), 0.0, m_all))
+    w = tl.where(valid, w, 0.0)
+    out = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l_, axis=0)
+    tl.store(out_ptr + b * stride_ob + (h * GROUP + g) * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty))
 
 
 def _chunk(length: int, programs: int, device: torch.device) -> int:
@@ -147,6 +149,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         mask8.stride(0), GROUP=group, BLOCK_G=block_g, D=d, BLOCK_S=BLOCK_S, CODES=codes,
         UPCAST=interpret_mode() or q.dtype == torch.float32, **launch)
     out = torch.empty_like(q)
-    _combine_kernel[(b * kvh,)](m, l_, acc, out, nsplit, kvh, out.stride(0), out.stride(1),
-                                GROUP=group, BLOCK_G=block_g, D=d, **launch)
+    _combine_kernel[(b * kvh, group)](m, l_, acc, out, nsplit, kvh, out.stride(0), out.stride(1),
+                                      GROUP=group, BLOCK_G=block_g, D=d,
+                                      NSPLIT_P2=triton.next_power_of_2(nsplit), **launch)
     return out

@@ -77,6 +77,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from quantlab.kernels import gemv_epilogue as epi
 from quantlab.kernels.layout import BLOCK_K, PackedWNA16
 from quantlab.kernels.ops import autotune_bench, interpret_mode, pdl_on, sm_count
 from quantlab.kernels.split_k import largest_split, split_total, split_workspaces, wave_splits
@@ -282,11 +283,13 @@ def _slice_operand(w, d: tl.constexpr, zo, s, s_ptr, z_ptr, k0, offs_j, offs_n, 
 
 @triton.jit
 def _fma_code(acc, w, z, xs, magic, I: tl.constexpr, BITS: tl.constexpr, DENORM: tl.constexpr):
+    """`acc [BN, 8] += codes · x` of slot I: one FMA per code. (A per-slot `tl.sum` over the
+    8 words compiles to a tree of 4 FMUL + 4 FFMA + 4 FADD per 8 codes instead of 8 FFMA.)"""
     if DENORM:
         codes = _denormal_code(w, I, BITS)
     else:
         codes = _codes_minus_zero(w, z, magic, I, BITS)
-    return acc + tl.sum(codes * xs[None, :], axis=1)
+    return tl.fma(codes, xs[None, :], acc)
 
 
 @triton.jit
@@ -298,8 +301,11 @@ def _fma_codes(w, z, xv, magic, BITS: tl.constexpr, DENORM: tl.constexpr):
     if DENORM:
         xsum = tl.sum(xv, axis=0)
         xv = xv * _denormal_scale(tl.arange(0, xv.shape[0]), BITS)
-    wh = _high(w)
-    acc = tl.zeros([w.shape[0]], dtype=tl.float32)
+    if DENORM and BITS == 4:
+        wh = (w.to(tl.uint32, bitcast=True) >> 12).to(tl.int32, bitcast=True)
+    else:
+        wh = _high(w)
+    acc = tl.zeros(w.shape, dtype=tl.float32)
     if BITS == 4:
         even, odd = tl.split(tl.reshape(xv, (8, 2, 2, 2)))  # [j, b2, b1, b0] → b0
         e0, e1 = tl.split(even)
@@ -312,7 +318,7 @@ def _fma_codes(w, z, xv, magic, BITS: tl.constexpr, DENORM: tl.constexpr):
         acc = _fma_code(acc, w, z, x1, magic, 1, 4, DENORM)
         acc = _fma_code(acc, w, z, x2, magic, 2, 4, DENORM)
         acc = _fma_code(acc, w, z, x3, magic, 3, 4, DENORM)
-        acc = _fma_code(acc, wh, z, x4, magic, 4, 4, DENORM)
+        acc = _fma_code(acc, w if DENORM else wh, z, x4, magic, 4, 4, DENORM)
         acc = _fma_code(acc, wh, z, x5, magic, 5, 4, DENORM)
         acc = _fma_code(acc, wh, z, x6, magic, 6, 4, DENORM)
         acc = _fma_code(acc, wh, z, x7, magic, 7, 4, DENORM)
@@ -324,6 +330,7 @@ def _fma_codes(w, z, xv, magic, BITS: tl.constexpr, DENORM: tl.constexpr):
         acc = _fma_code(acc, w, z, x1, magic, 1, 8, DENORM)
         acc = _fma_code(acc, wh, z, x2, magic, 2, 8, DENORM)
         acc = _fma_code(acc, wh, z, x3, magic, 3, 8, DENORM)
+    acc = tl.sum(acc, axis=1)
     if DENORM:  # Σ (q − z)·x = Σ q·x − z·Σ x
         acc = acc * (2.0 ** (149 - DENORM_X)) - tl.reshape(z, (w.shape[0],)) * xsum
     return acc
@@ -332,9 +339,10 @@ def _fma_codes(w, z, xv, magic, BITS: tl.constexpr, DENORM: tl.constexpr):
 @triton.jit
 def _denormal_code(w, I: tl.constexpr, BITS: tl.constexpr):
     """Code in slot I as a float32 denormal — the masked bits themselves, `q·2^(sh − 149)`
-    (sh: the slot's shift within its 16-bit half, so the bits stay below the exponent field;
-    slots past bit 16 expect `_high(w)`)."""
-    SH: tl.constexpr = (I % (16 // BITS)) * BITS
+    (sh: where its bits sit, below float32's exponent field at bit 23). int4: slots 0–4
+    (bits 0–19) in the word itself, slots 5–7 in the word shifted right by 12 (bits 8–19): one
+    shift per word. int8: each 16-bit half (slots 2–3 from `_high(w)`)."""
+    SH: tl.constexpr = ((4 * I if I <= 4 else 4 * I - 12) if BITS == 4 else (I % 2) * 8)
     return (w & (((1 << BITS) - 1) << SH)).to(tl.float32, bitcast=True)
 
 
@@ -347,7 +355,12 @@ def _denormal_scale(pos, BITS: tl.constexpr):
     code within the 16-bit half), as float32 bits. A denormal code `q·2^(sh − 149)` times the
     scaled activation is `q·x·2^(DENORM_X − 149)`, a normal float for |q·x| ≥ 2^−41, exact as
     float32 `q·x` is; activations up to 2^64 do not overflow."""
-    exponent = tl.full(pos.shape, 127 + DENORM_X, tl.int32) - (pos % (16 // BITS)) * BITS
+    slot = pos % (32 // BITS)
+    if BITS == 4:
+        sh = 4 * slot - tl.where(slot > 4, 12, 0)
+    else:
+        sh = (slot % 2) * 8
+    exponent = tl.full(pos.shape, 127 + DENORM_X, tl.int32) - sh
     return (exponent << 23).to(tl.float32, bitcast=True)
 
 
@@ -380,7 +393,10 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
                  BITS: tl.constexpr, GROUP: tl.constexpr,
                  SPLIT_K, BLOCK_N: tl.constexpr, SPLIT_P2: tl.constexpr, PF: tl.constexpr = True,
                  DENORM: tl.constexpr = False, PDL: tl.constexpr = 0, GLU: tl.constexpr = False,
-                 STAGES: tl.constexpr = 1):
+                 STAGES: tl.constexpr = 1, EPI: tl.constexpr = 0, HEAD_D: tl.constexpr = 128,
+                 e_row_ptr=None, e_w_ptr=None, e_y2_ptr=None, e_cos_ptr=None, e_sin_ptr=None,
+                 e_pos_ptr=None, e_kc_ptr=None, e_vc_ptr=None, e_eps=0.0, e_nq=0, e_nkv=0,
+                 e_cache_s=0):
     """See the module docstring; one token row per grid row (program_id 2). A `[BLOCK_N, 8]`
     block with BLOCK_N = 128·num_warps gives each thread all 8 words of its 4 columns. GROUP:
     0 (per-channel) or a multiple of the block (one group per block). The next block's words
@@ -401,7 +417,10 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
     STAGES > 1: the words come through Triton's software pipeline instead (`tl.range` with
     num_stages: cp.async into STAGES − 1 shared-memory buffers ahead of the one in use), so
     each program keeps several blocks in flight without holding them in registers; the
-    one-block register prefetch of the words is then off."""
+    one-block register prefetch of the words is then off.
+
+    EPI (M = 1): what the program completing a column tile does with it instead of storing it
+    (`gemv_epilogue`); the `e_*` arguments are its inputs."""
     BK: tl.constexpr = 256 // BITS
     OUT: tl.constexpr = y_ptr.dtype.element_ty
     if PDL == 2:
@@ -453,8 +472,24 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
         gdc_launch_dependents()
     if GROUP == 0:
         acc = acc * tl.reshape(s, (BLOCK_N,))
-    _finish(acc, y_ptr + m * stride_ym + offs_n, ws_ptr + m * N + offs_n, M * N, n_mask, cnt_ptr,
-            m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K, OUT, True, SPLIT_P2)
+    if EPI == epi.PLAIN:
+        _finish(acc, y_ptr + m * stride_ym + offs_n, ws_ptr + m * N + offs_n, M * N, n_mask,
+                cnt_ptr, m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K, OUT, True, SPLIT_P2)
+    else:
+        if SPLIT_K == 1:
+            last, total = pid_k == 0, acc
+        else:
+            last, total = split_total(acc, ws_ptr + offs_n, N, n_mask, cnt_ptr, pid_n, pid_k,
+                                      SPLIT_K, True, SPLIT_P2)
+        if last:
+            if EPI == epi.RESIDUAL:
+                epi.residual(total, offs_n, n_mask, y_ptr, e_row_ptr, e_w_ptr, e_y2_ptr, OUT)
+            elif EPI == epi.RMS_SWIGLU:
+                epi.rms_swiglu(total, pid_n, N, y_ptr, e_row_ptr, K, e_eps, BLOCK_N, OUT)
+            else:
+                epi.rms_rope_cache(total, pid_n, y_ptr, e_row_ptr, K, e_eps, e_w_ptr, e_cos_ptr,
+                                   e_sin_ptr, e_pos_ptr, e_kc_ptr, e_vc_ptr, e_nq, e_nkv,
+                                   e_cache_s, BLOCK_N, HEAD_D, OUT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -766,12 +801,14 @@ def _max_split(tuner: str, n: int, nblk: int, m: int, device: torch.device) -> i
 
 
 def _launch_gemv(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, config: dict | None,
-                 glu: bool = False) -> None:
+                 glu: bool = False, epilogue: dict | None = None) -> None:
     m, k = x.shape[0], p.in_features
     n = p.out_features
     nblk = p.qweight.shape[0] // 8
+    epilogue = epilogue or {}
     if config is None and interpret_mode():
-        config = INTERPRET_CONFIGS["gemv"]
+        config = dict(INTERPRET_CONFIGS["gemv"])
+        config["BLOCK_N"] = max(config["BLOCK_N"], epilogue.get("HEAD_D", 0))
     if config is not None:
         config = _gemv_meta(config)
     if config is None:
@@ -785,7 +822,18 @@ def _launch_gemv(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, config: dic
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"], m)  # noqa: E731
     kern = TUNERS["gemv"] if config is None else _gemv_kernel
     pdl = dict(PDL=2, launch_pdl=True) if pdl_on(x) and not (config or {}).get("PDL") else {}
-    kern[grid](*args, **common, **(config or {}), **pdl)
+    kern[grid](*args, **common, **(config or {}), **pdl, **epilogue)
+
+
+def wna16_gemv_epilogue(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, epilogue: dict,
+                        config: dict | None = None) -> torch.Tensor:
+    """One token row `x [1, K]` times the packed weight through the GEMV, whose last split
+    applies `epilogue` (`gemv_epilogue`: EPI, HEAD_D and the `e_*` inputs) and writes `out`
+    (and what else the epilogue names) instead of the plain product."""
+    if x.shape[0] != 1 or not p.gemv_ok or p.perm is not None or x.stride(1) != 1:
+        raise ValueError("GEMV epilogues take one contiguous token row and no act-order gather")
+    _launch_gemv(x, p, out, config, epilogue=epilogue)
+    return out
 
 
 def _launch_fused(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, config: dict | None) -> None:

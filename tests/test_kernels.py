@@ -238,6 +238,81 @@ def test_gemv_forms_swiglu_as_it_loads(bits, group, dtype):
         wna16_matmul(gate_up.expand(2, -1).contiguous(), p, glu=True)  # the GEMV is M = 1 only
 
 
+def _epilogue_case(n: int, k: int, seed: int):
+    """A packed int4 g64 weight `[n, k]`, one bf16 token row and its float32 plain product."""
+    p = layout.pack_wna16(canonical(n, k, 4, 64, seed=seed), torch.bfloat16).to(DEV)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, k, generator=g).to(torch.bfloat16).to(DEV)
+    return p, x, reference.wna16_mm(x, p).float(), g
+
+
+@needs_triton
+def test_gemv_epilogue_adds_the_residual_and_weights_the_next_norm():
+    """RESIDUAL: `y = x·Wᵀ + residual` and `y·w` (the next RMSNorm's input before its 1/rms),
+    each one bf16 rounding away from the float32 math; without w only y is written."""
+    from quantlab.kernels import gemv_epilogue as epi
+    from quantlab.kernels.triton_wna16 import wna16_gemv_epilogue
+
+    p, x, plain, g = _epilogue_case(200, 300, 3)
+    res = torch.randn(1, 200, generator=g).to(torch.bfloat16).to(DEV)
+    w = (1 + torch.rand(200, generator=g)).to(torch.bfloat16).to(DEV)
+    y, y2 = (torch.full((1, 200), float("nan"), dtype=torch.bfloat16, device=DEV) for _ in range(2))
+    wna16_gemv_epilogue(x, p, y, dict(EPI=epi.RESIDUAL, e_row_ptr=res, e_w_ptr=w, e_y2_ptr=y2))
+    ref = plain + res.float()
+    assert rel_err(y, ref) < TOL[torch.bfloat16] and rel_err(y2, ref * w.float()) < TOL[torch.bfloat16]
+    y3 = torch.full((1, 200), float("nan"), dtype=torch.bfloat16, device=DEV)
+    wna16_gemv_epilogue(x, p, y3, dict(EPI=epi.RESIDUAL, e_row_ptr=res))
+    assert torch.equal(y3, y)
+
+
+@needs_triton
+def test_gemv_epilogue_scales_by_the_rms_and_forms_swiglu():
+    """RMS_SWIGLU: the product scaled by 1/rms of another row (RMSNorm's factor, applied after
+    the GEMV), then silu(gate)·up of the interleaved column pairs (2j gate, 2j + 1 up)."""
+    from quantlab.kernels import gemv_epilogue as epi
+    from quantlab.kernels.triton_wna16 import wna16_gemv_epilogue
+
+    p, x, plain, g = _epilogue_case(200, 300, 4)
+    row = (5 * torch.randn(1, 300, generator=g)).to(torch.bfloat16).to(DEV)
+    out = torch.full((1, 100), float("nan"), dtype=torch.bfloat16, device=DEV)
+    wna16_gemv_epilogue(x, p, out, dict(EPI=epi.RMS_SWIGLU, e_row_ptr=row, e_eps=1e-6))
+    v = plain * torch.rsqrt(row.float().pow(2).mean() + 1e-6)
+    ref = torch.nn.functional.silu(v[:, 0::2]) * v[:, 1::2]
+    assert rel_err(out, ref) < TOL[torch.bfloat16], rel_err(out, ref)
+
+
+@needs_triton
+def test_gemv_epilogue_ropes_q_and_k_into_the_cache():
+    """RMS_ROPE_CACHE on `[q (3 heads) | k (2) | v (2)]` of 64: the 1/rms factor and the bias,
+    rotate-half RoPE on q and k at the position read from the device, q to the output, k and v
+    into that position of the caches and nowhere else."""
+    from quantlab.kernels import gemv_epilogue as epi
+    from quantlab.kernels.triton_wna16 import wna16_gemv_epilogue
+    from quantlab.runner.model import RopeArgs, inv_frequencies, rotate_half
+
+    d, hq, hkv, s, pos = 64, 3, 2, 9, 5
+    n = d * (hq + 2 * hkv)
+    p, x, plain, g = _epilogue_case(n, 300, 6)
+    row = torch.randn(1, 300, generator=g).to(torch.bfloat16).to(DEV)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16).to(DEV)
+    freqs = torch.outer(torch.arange(s, dtype=torch.float), inv_frequencies(RopeArgs(), d))
+    cos, sin = torch.cat((freqs, freqs), -1).cos().to(DEV), torch.cat((freqs, freqs), -1).sin().to(DEV)
+    kc, vc = (torch.zeros(1, hkv, s, d, dtype=torch.bfloat16, device=DEV) for _ in range(2))
+    q = torch.full((1, hq * d), float("nan"), dtype=torch.bfloat16, device=DEV)
+    wna16_gemv_epilogue(x, p, q, dict(
+        EPI=epi.RMS_ROPE_CACHE, HEAD_D=d, e_row_ptr=row, e_w_ptr=bias, e_eps=1e-5, e_cos_ptr=cos,
+        e_sin_ptr=sin, e_pos_ptr=torch.tensor([pos], device=DEV), e_kc_ptr=kc, e_vc_ptr=vc,
+        e_nq=hq * d, e_nkv=hkv * d, e_cache_s=s))
+    v = plain * torch.rsqrt(row.float().pow(2).mean() + 1e-5) + bias.float()
+    qr, kr, vr = v.view(-1, d).split([hq, hkv, hkv])
+    rope = lambda t: t * cos[pos] + rotate_half(t) * sin[pos]  # noqa: E731
+    tol = TOL[torch.bfloat16]
+    assert rel_err(q.view(hq, d), rope(qr)) < tol
+    assert rel_err(kc[0, :, pos], rope(kr)) < tol and rel_err(vc[0, :, pos], vr) < tol
+    others = [i for i in range(s) if i != pos]
+    assert not kc[0, :, others].any() and not vc[0, :, others].any()
+
+
 @needs_triton
 def test_runner_mlp_takes_the_swiglu_gemv(monkeypatch):
     """With QUANTLAB_SWIGLU_GEMV=1 a W4A16 MLP at one token row runs its down projection as the
@@ -385,7 +460,7 @@ def test_attention_pdl_waits_before_every_load():
                    **{n: "i32" for n in ("NSPLIT", "KVH", "stride_ob", "stride_oh")}}
     for kernel, sig, consts in (
             ("_partial_kernel", partial_sig, dict(GROUP=7, BLOCK_G=16, D=128, BLOCK_S=32, CODES=False, UPCAST=False)),
-            ("_combine_kernel", combine_sig, dict(GROUP=7, BLOCK_G=16, D=128))):
+            ("_combine_kernel", combine_sig, dict(GROUP=7, BLOCK_G=16, D=128, NSPLIT_P2=32))):
         lines = sm90_ptx(mod, kernel, sig, {**consts, "PDL": True}, num_warps=4, launch_pdl=True)
         wait = _first(lines, "griddepcontrol.wait")
         assert _first(lines, "griddepcontrol.launch_dependents") < wait < min(

@@ -1,0 +1,88 @@
+"""What the decode-step GEMV does with its finished output tile (`triton_wna16._gemv_kernel`,
+EPI ≠ 0), so that a batch-1 decoder layer is four GEMVs and the attention, nothing between.
+
+Without them a W4A16 layer on an H200 ran about 13 kernels, and the nine that are not GEMVs
+(the residual adds with the RMSNorms, RoPE, the two cache writes, SiLU·up, …) each cost a
+launch and a drain of the GPU, about 20 µs per layer against 50 µs of GEMVs
+(benchmarks/results/decode_nvidia_h200_s12_profile.md). Each of these runs in the program
+that completes a column tile (the last split to arrive), on data already in registers:
+
+* RESIDUAL — `y = acc + residual`; with a norm weight also `y·w`, the next RMSNorm's input
+  before its 1/rms factor (o_proj, down_proj).
+* RMS_SWIGLU — `acc · 1/rms(row)` (the RMSNorm's factor: `Σ (x·w)_k W_kn` scaled once), then
+  `silu(gate)·up` of the column pairs (gate_up with interleaved columns).
+* RMS_ROPE_CACHE — the same factor, the bias, RoPE on q and k at the step's position (read
+  from the device, so a captured graph stays valid), q to the output, k and v into the
+  static cache (qkv).
+
+The rounding differs from the unfused ops (one float32 pass instead of a bf16 result per op).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+PLAIN, RESIDUAL, RMS_SWIGLU, RMS_ROPE_CACHE = (tl.constexpr(i) for i in range(4))
+RMS_CHUNK = tl.constexpr(1024)
+
+
+@triton.jit
+def row_inv_rms(row_ptr, K, eps):
+    """`1 / sqrt(mean(row²) + eps)` of a row of K values, in float32 (as RMSNorm computes it)."""
+    offs = tl.arange(0, RMS_CHUNK)
+    sq = tl.zeros([RMS_CHUNK], dtype=tl.float32)
+    for k0 in range(0, K, RMS_CHUNK):
+        v = tl.load(row_ptr + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+        sq += v * v
+    return 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
+
+
+@triton.jit
+def residual(total, offs_n, n_mask, y_ptr, res_ptr, w_ptr, y2_ptr, OUT: tl.constexpr):
+    """`y = total + residual`, and `y2 = y·w` when a norm weight is given."""
+    h = (total + tl.load(res_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)).to(OUT)
+    tl.store(y_ptr + offs_n, h, mask=n_mask)
+    if w_ptr is not None:
+        w = tl.load(w_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(y2_ptr + offs_n, (h.to(tl.float32) * w).to(OUT), mask=n_mask)
+
+
+@triton.jit
+def rms_swiglu(total, pid_n, N, y_ptr, row_ptr, K, eps, BLOCK_N: tl.constexpr, OUT: tl.constexpr):
+    """Columns 2j, 2j + 1 are gate_j, up_j: store `silu(gate)·up` (N / 2 wide) after scaling by
+    the input row's 1/rms."""
+    v = total * row_inv_rms(row_ptr, K, eps)
+    gate, up = tl.split(tl.reshape(v, (BLOCK_N // 2, 2)))
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    offs = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    tl.store(y_ptr + offs, act.to(OUT), mask=offs < N // 2)
+
+
+@triton.jit
+def rms_rope_cache(total, pid_n, y_ptr, row_ptr, K, eps, bias_ptr, cos_ptr, sin_ptr, pos_ptr,
+                   kc_ptr, vc_ptr, NQ, NKV, CACHE_S, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                   OUT: tl.constexpr):
+    """Columns `[q (NQ) | k (NKV) | v (NKV)]` of one token, heads of D: scale by 1/rms, add the
+    bias, rotate q and k (rotate-half RoPE, tables `[S, D]` float32 at the step's position),
+    store q at `y`, k and v at that position of the caches `[KV heads, CACHE_S, D]`."""
+    NH: tl.constexpr = BLOCK_N // D
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    v = total * row_inv_rms(row_ptr, K, eps)
+    if bias_ptr is not None:
+        v += tl.load(bias_ptr + offs_n, mask=offs_n < NQ + 2 * NKV, other=0.0).to(tl.float32)
+    pos = tl.load(pos_ptr)
+    half = tl.arange(0, D // 2)
+    cos = tl.load(cos_ptr + pos * D + half)[None, :]
+    sin = tl.load(sin_ptr + pos * D + half)[None, :]
+    x1, x2 = tl.split(tl.permute(tl.reshape(v, (NH, 2, D // 2)), (0, 2, 1)))  # [NH, D/2] each
+    head0 = pid_n * BLOCK_N + tl.arange(0, NH) * D  # first column of each head
+    rot = (head0 < NQ + NKV)[:, None]
+    o1 = tl.where(rot, x1 * cos - x2 * sin, x1)
+    o2 = tl.where(rot, x2 * cos + x1 * sin, x2)
+    out = tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (BLOCK_N,)).to(OUT)
+    kv_col = offs_n - NQ - tl.where(offs_n >= NQ + NKV, NKV, 0)  # column within k or v
+    at = (kv_col // D) * CACHE_S * D + pos * D + kv_col % D
+    tl.store(y_ptr + offs_n, out, mask=offs_n < NQ)
+    tl.store(kc_ptr + at, out, mask=(offs_n >= NQ) & (offs_n < NQ + NKV))
+    tl.store(vc_ptr + at, out, mask=(offs_n >= NQ + NKV) & (offs_n < NQ + 2 * NKV))
