@@ -228,11 +228,14 @@ def measure(model, label: str, args, device: torch.device, vocab: int, hf: bool 
             wbytes = sum(p.numel() * p.element_size() for p in model.parameters()) - embed.numel() * embed.element_size()
         else:
             model.set_attention(args.attention)
+            fused = args.fused_decode and model.set_fused_decode(True)
             res = time_runner(model, prompts, args.new_tokens, args.repeats, args.decode)
             if args.profile:
                 res["step_kernels"] = step_kernels(model, prompts, args.decode)
             if args.attention != "torch":
                 res["decode_mode"] += f" + {args.attention} attention"
+            if fused:
+                res["decode_mode"] += " + fused epilogues"
             if args.pdl:
                 res["decode_mode"] += " + PDL"
             if args.swiglu_gemv:
@@ -444,6 +447,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--swiglu-gemv", action="store_true",
                     help="QUANTLAB_SWIGLU_GEMV=1: the W4A16 down projection's GEMV forms silu(gate)·up "
                          "as it loads (no kernel between the MLP's GEMVs)")
+    ap.add_argument("--fused-decode", action="store_true",
+                    help="batch-1 steps of W4A16/W8A16 models as four epilogue GEMVs and the attention "
+                         "kernel per layer (Transformer.set_fused_decode)")
     ap.add_argument("--profile", action="store_true",
                     help="also list each runner scheme's kernels per decode step (torch.profiler)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")

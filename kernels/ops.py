@@ -4,6 +4,7 @@ CPU-only machine without triton installed."""
 
 from __future__ import annotations
 
+import enum
 import importlib.util
 import os
 from typing import Callable, TypeVar
@@ -266,6 +267,79 @@ def wna16_linear(x: torch.Tensor, p: PackedWNA16, bias: torch.Tensor | None = No
     if bias is not None:
         y = y + bias
     return y.reshape(*lead, p.out_features)
+
+
+# GEMV epilogues (`gemv_epilogue`): the batch-1 decode step's layer as four GEMVs and the
+# attention. One custom op for the three kinds; what it writes besides its outputs (the KV
+# cache) is declared mutated.
+
+
+class Epilogue(enum.IntEnum):
+    """What the GEMV's last split does with its tile (`gemv_epilogue` has the kernels)."""
+
+    PLAIN = 0
+    RESIDUAL = 1
+    RMS_SWIGLU = 2
+    RMS_ROPE_CACHE = 3
+
+
+@torch.library.custom_op("quantlab::wna16_gemv_epilogue", mutates_args=("k_cache", "v_cache"))
+def _epilogue_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 bits: int, group_size: int, in_features: int, out_features: int, kind: int,
+                 row: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor | None,
+                 sin: torch.Tensor | None, pos: torch.Tensor | None, k_cache: torch.Tensor | None,
+                 v_cache: torch.Tensor | None, nq: int, nkv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _epilogue_direct(x, qweight, scales, zeros, bits, group_size, in_features, out_features, kind,
+                            row, weight, eps, cos, sin, pos, k_cache, v_cache, nq, nkv)
+
+
+def _epilogue_outputs(x: torch.Tensor, kind: int, out_features: int, weight: torch.Tensor | None,
+                      nq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty outputs of an epilogue GEMV, always two (Inductor takes no list outputs from a
+    mutating op): RESIDUAL `(y, y·w)` (the second empty without w), RMS_SWIGLU `(act, —)`
+    (half the columns), RMS_ROPE_CACHE `(q, —)`."""
+    if kind == Epilogue.RESIDUAL:
+        return x.new_empty(1, out_features), x.new_empty(1, out_features if weight is not None else 0)
+    return x.new_empty(1, out_features // 2 if kind == Epilogue.RMS_SWIGLU else nq), x.new_empty(0)
+
+
+@_epilogue_op.register_fake
+def _(x, qweight, scales, zeros, bits, group_size, in_features, out_features, kind, row, weight, eps, cos,
+      sin, pos, k_cache, v_cache, nq, nkv):
+    return _epilogue_outputs(x, kind, out_features, weight, nq)
+
+
+def _epilogue_direct(x, qweight, scales, zeros, bits, group_size, in_features, out_features, kind, row,
+                     weight, eps, cos, sin, pos, k_cache, v_cache, nq, nkv):
+    from quantlab.kernels.triton_wna16 import wna16_gemv_epilogue
+
+    p = PackedWNA16(qweight, scales, zeros, bits, group_size or None, in_features, out_features)
+    outs = _epilogue_outputs(x, kind, out_features, weight, nq)
+    args: dict = dict(EPI=kind, e_row_ptr=row, e_w_ptr=weight, e_eps=eps)
+    if kind == Epilogue.RESIDUAL:
+        args["e_y2_ptr"] = outs[1] if weight is not None else None
+    elif k_cache is not None:
+        args.update(HEAD_D=k_cache.shape[-1], e_cos_ptr=cos, e_sin_ptr=sin, e_pos_ptr=pos, e_kc_ptr=k_cache,
+                    e_vc_ptr=v_cache, e_nq=nq, e_nkv=nkv, e_cache_s=k_cache.shape[-2])
+    wna16_gemv_epilogue(x, p, outs[0], args)
+    return outs
+
+
+def wna16_gemv_epilogue(x: torch.Tensor, p: PackedWNA16, kind: int, row: torch.Tensor,
+                        weight: torch.Tensor | None = None, eps: float = 0.0,
+                        rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                        cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        nq: int = 0, nkv: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's GEMV with an epilogue (`gemv_epilogue`) on one token row `x [1, K]`:
+    `row` is the residual (RESIDUAL) or the row whose 1/rms scales the product; `weight` the
+    next norm's weight (RESIDUAL) or the bias (RMS_ROPE_CACHE); `rope` the cos/sin tables and
+    the position, `cache` the KV caches of one row (`[KV heads, S, D]`). The caller checks
+    that the Triton kernels run here (`use_triton`) and that the GEMV takes `p`."""
+    cos, sin, pos = rope if rope is not None else (None, None, None)
+    k_cache, v_cache = cache if cache is not None else (None, None)
+    fn = _epilogue_op if torch.compiler.is_compiling() else _epilogue_direct
+    return fn(x, p.qweight, p.scales, p.zeros, p.bits, p.group_constexpr, p.in_features, p.out_features, kind,
+              row, weight, eps, cos, sin, pos, k_cache, v_cache, nq, nkv)
 
 
 def wna16_swiglu_ok(gate_up: torch.Tensor, p: PackedWNA16) -> bool:

@@ -314,6 +314,48 @@ def test_gemv_epilogue_ropes_q_and_k_into_the_cache():
 
 
 @needs_triton
+def test_fused_decode_step_matches_the_unfused_one():
+    """`set_fused_decode`: a batch-1 decode step of a W4A16 qwen2 (q/k/v biases, non-unit norm
+    weights) as four epilogue GEMVs and the attention kernel per layer gives the unfused step's
+    logits and writes the same K/V into the cache; its interleaved gate_up leaves the prefill
+    (the unfused path) as it was."""
+    from conftest import tiny_model
+    from quantlab.runner.load import build_runner
+
+    hf = tiny_model("qwen2", seed=2, hidden_size=128, intermediate_size=160)
+    state = {k: v.clone() for k, v in hf.state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    for name, t in state.items():
+        if name.endswith("norm.weight"):
+            t.copy_(0.5 + torch.rand(t.shape, generator=g))
+    quantized = {name[:-len(".weight")]: quantize_weight(t, WeightScheme(bits=4, group_size=64))
+                 for name, t in state.items() if name.endswith("_proj.weight")}
+    model = build_runner(hf.config, state, quantized, {}, {}, DEV, torch.bfloat16)
+    prompt, nxt = torch.randint(0, 512, (1, 6), generator=g).to(DEV), torch.tensor([[7]], device=DEV)
+
+    def run(fused: bool):
+        model.setup_caches(1, 12)
+        model.fused_decode = False
+        pre = model(prompt, torch.arange(6, device=DEV))
+        model.fused_decode = fused
+        step = model(nxt, torch.tensor([6], device=DEV))
+        caches = [(layer.self_attn.kv_cache.k.clone(), layer.self_attn.kv_cache.v.clone()) for layer in model.model.layers]
+        return pre, step, caches
+
+    pre_u, step_u, caches_u = run(False)
+    assert model.set_fused_decode(True) and all(layer.mlp.interleaved for layer in model.model.layers)
+    pre_i, step_u2, _ = run(False)
+    assert torch.equal(pre_i, pre_u) and torch.equal(step_u2, step_u)
+    pre_f, step_f, caches_f = run(True)
+    assert torch.equal(pre_f, pre_u)
+    tol = TOL[torch.bfloat16]
+    assert 0 < rel_err(step_f, step_u) < tol, rel_err(step_f, step_u)  # one rounding per op fewer
+    for (ku, vu), (kf, vf) in zip(caches_u, caches_f):
+        assert torch.equal(kf[:, :, :6], ku[:, :, :6]) and rel_err(kf[:, :, 6], ku[:, :, 6]) < tol
+        assert rel_err(vf[:, :, 6], vu[:, :, 6]) < tol
+
+
+@needs_triton
 def test_runner_mlp_takes_the_swiglu_gemv(monkeypatch):
     """With QUANTLAB_SWIGLU_GEMV=1 a W4A16 MLP at one token row runs its down projection as the
     SwiGLU GEMV (one kernel call with glu) and gives the unfused MLP's output; two rows, or the

@@ -24,7 +24,9 @@ from quantlab.errors import UserError
 from quantlab.kernels import ops
 from quantlab.quant.activations import compute_dtype
 from quantlab.runner.kv import KVCache, KVQuant
-from quantlab.runner.linear import swiglu_down
+from quantlab.kernels.layout import PackedWNA16
+from quantlab.kernels.ops import Epilogue
+from quantlab.runner.linear import WNA16Linear, swiglu_down
 
 SUPPORTED = ("llama", "qwen2", "mistral")
 ATTENTION = ("torch", "triton")
@@ -173,9 +175,25 @@ class MLP(nn.Module):
     def __init__(self, gate_up: nn.Module, down_proj: nn.Module):
         super().__init__()
         self.gate_up, self.down_proj = gate_up, down_proj
+        self.interleaved = False  # gate_up's columns alternate gate, up (`interleave_gate_up`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu_down(self.down_proj, self.gate_up(x))
+        y = self.gate_up(x)
+        if self.interleaved:
+            return self.down_proj(F.silu(y[..., 0::2]) * y[..., 1::2])
+        return swiglu_down(self.down_proj, y)
+
+    def interleave_gate_up(self) -> None:
+        """Reorder gate_up's output columns to gate₀, up₀, gate₁, up₁, … so that one GEMV tile
+        holds both halves of each SwiGLU product (the RMS_SWIGLU epilogue)."""
+        if not self.interleaved:
+            p = self.gate_up.packed
+            half = p.out_features // 2
+            order = torch.stack((torch.arange(half), torch.arange(half) + half), 1).flatten().to(p.qweight.device)
+            self.gate_up.packed = PackedWNA16(p.qweight[:, order].contiguous(), p.scales[:, order].contiguous(),
+                                              p.zeros[:, order].contiguous(), p.bits, p.group_size, p.in_features,
+                                              p.out_features, p.perm)
+            self.interleaved = True
 
 
 class Block(nn.Module):
@@ -187,6 +205,34 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, mask, input_pos, attend_len):
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos, attend_len)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def fused_step(self, x: torch.Tensor, xw: torch.Tensor, next_norm: torch.Tensor | None,
+                   rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
+                   input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token through the layer as four epilogue GEMVs and the attention kernel
+        (`Transformer.set_fused_decode`): `x [1, hidden]` the residual stream and `xw` its
+        product with this layer's input-norm weight → the same pair for the next layer (the
+        second empty after the last)."""
+        attn, mlp, norm = self.self_attn, self.mlp, self.post_attention_layernorm
+        d, heads, kv_heads = attn.head_dim, attn.heads, attn.kv_heads
+        cache = attn.kv_cache
+        q, _ = ops.wna16_gemv_epilogue(xw, attn.qkv.packed, Epilogue.RMS_ROPE_CACHE, x, attn.qkv.bias,
+                                     self.input_layernorm.eps, (*rope, input_pos), (cache.k, cache.v),
+                                     heads * d, kv_heads * d)
+        y = ops.decode_attention(q.view(1, heads, d), cache.k, cache.v, mask, input_pos)
+        h, hw = ops.wna16_gemv_epilogue(y.view(1, heads * d), attn.o_proj.packed, Epilogue.RESIDUAL, x, norm.weight)
+        act, _ = ops.wna16_gemv_epilogue(hw, mlp.gate_up.packed, Epilogue.RMS_SWIGLU, h, eps=norm.eps)
+        return ops.wna16_gemv_epilogue(act, mlp.down_proj.packed, Epilogue.RESIDUAL, h, next_norm)
+
+    def fusable(self) -> bool:
+        """Whether `fused_step` takes this layer: W4A16/W8A16 GEMV-able linears without act-order,
+        biases only on q/k/v, a compute-dtype KV cache, a power-of-2 head size up to 128."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj)
+        d = attn.head_dim
+        return (all(isinstance(m, WNA16Linear) and m.packed.gemv_ok and m.packed.perm is None for m in linears)
+                and all(m.bias is None for m in linears[1:]) and attn.kv_quant is None
+                and 16 <= d <= 128 and d & (d - 1) == 0)
 
 
 class Decoder(nn.Module):
@@ -202,6 +248,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.args, self.model, self.lm_head = args, model, lm_head
         self.max_batch, self.max_seq_len = 0, 0
+        self.fused_decode = False
 
     @property
     def device(self) -> torch.device:
@@ -219,6 +266,18 @@ class Transformer(nn.Module):
             raise UserError(f"attention: choose from {', '.join(ATTENTION)}, got {kind!r}")
         for layer in self.model.layers:
             layer.self_attn.fused_decode = kind == "triton"
+
+    def set_fused_decode(self, on: bool) -> bool:
+        """Batch-1 decode steps as four epilogue GEMVs and the attention kernel per layer
+        (`Block.fused_step`, kernels/gemv_epilogue.py) where every layer takes it and the
+        Triton kernels run here; returns whether it is on. Interleaves gate_up's columns."""
+        layers = self.model.layers
+        self.fused_decode = on and self.dtype in (torch.bfloat16, torch.float16) and \
+            ops.use_triton(self.model.embed_tokens.weight) and all(layer.fusable() for layer in layers)
+        if self.fused_decode:
+            for layer in layers:
+                layer.mlp.interleave_gate_up()
+        return self.fused_decode
 
     def setup_caches(self, batch: int, max_seq_len: int) -> None:
         """Allocate the KV caches and the RoPE table; reused while large enough (and the batch
@@ -246,13 +305,25 @@ class Transformer(nn.Module):
         at cache positions `input_pos [L]`; K/V of these tokens are written to the caches."""
         if self.max_batch == 0:
             raise RuntimeError("call setup_caches(batch, max_seq_len) before the forward pass")
+        mask = self._mask(input_pos, attend_len or self.max_seq_len)
+        if self.fused_decode and idx.shape == (1, 1):
+            return self._fused_decode_step(idx, input_pos, mask[:, 0, 0])
         x = self.model.embed_tokens(idx)
         cos, sin = self._rope(input_pos, x.dtype)
-        mask = self._mask(input_pos, attend_len or self.max_seq_len)
         for layer in self.model.layers:
             x = layer(x, cos, sin, mask, input_pos, attend_len)
         x = self.model.norm(x[:, -1:] if last_only else x)
         return self.lm_head(x)
+
+    def _fused_decode_step(self, idx: torch.Tensor, input_pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Logits `[1, 1, vocab]` of one token at batch 1 (no padding) through `Block.fused_step`."""
+        layers = self.model.layers
+        x = self.model.embed_tokens(idx).view(1, -1)
+        xw = x * layers[0].input_layernorm.weight
+        for i, layer in enumerate(layers):
+            next_norm = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else None
+            x, xw = layer.fused_step(x, xw, next_norm, (self.rope_cos, self.rope_sin), mask, input_pos)
+        return self.lm_head(self.model.norm(x.view(1, 1, -1)))
 
     def _rope(self, input_pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         pos = (input_pos[None, :] - self.pad[:, None]).clamp(min=0)  # [B, L]: 0 at each row's first token
