@@ -9,8 +9,9 @@ that completes a column tile (the last split to arrive), on data already in regi
 
 * RESIDUAL — `y = acc + residual`; with a norm weight also `y·w`, the next RMSNorm's input
   before its 1/rms factor (o_proj, down_proj).
-* RMS_SWIGLU — `acc · 1/rms(row)` (the RMSNorm's factor: `Σ (x·w)_k W_kn` scaled once), then
-  `silu(gate)·up` of the column pairs (gate_up with interleaved columns).
+* RMS_SWIGLU — `acc · 1/rms(row)` (the RMSNorm's factor: `Σ (x·w)_k W_kn` scaled once; each
+  split sums the squares of its slice of the row, `slice_sumsq`), then `silu(gate)·up` of the
+  column pairs (gate_up with interleaved columns).
 * RMS_ROPE_CACHE — the same factor, the bias, RoPE on q and k at the step's position (read
   from the device, so a captured graph stays valid), q to the output, k and v into the
   static cache (qkv).
@@ -23,19 +24,35 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-PLAIN, RESIDUAL, RMS_SWIGLU, RMS_ROPE_CACHE = (tl.constexpr(i) for i in range(4))
-RMS_CHUNK = tl.constexpr(1024)
+from quantlab.kernels.ops import Epilogue
+
+PLAIN, RESIDUAL, RMS_SWIGLU, RMS_ROPE_CACHE = (tl.constexpr(int(k)) for k in Epilogue)
+RMS_CHUNK = tl.constexpr(256)
 
 
 @triton.jit
-def row_inv_rms(row_ptr, K, eps):
-    """`1 / sqrt(mean(row²) + eps)` of a row of K values, in float32 (as RMSNorm computes it)."""
+def slice_sumsq(row_ptr, k0, k1):
+    """`Σ row[k]²` over `[k0, k1)` in float32: each split of an RMS epilogue GEMV sums the
+    slice of the normed row that matches its own K range, and the last one adds the splits'
+    sums (`inv_rms`) — one small load per program instead of a pass over the whole row at the
+    end, where it lengthened every GEMV's tail."""
     offs = tl.arange(0, RMS_CHUNK)
     sq = tl.zeros([RMS_CHUNK], dtype=tl.float32)
-    for k0 in range(0, K, RMS_CHUNK):
-        v = tl.load(row_ptr + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+    for c in range(k0, k1, RMS_CHUNK):
+        v = tl.load(row_ptr + c + offs, mask=c + offs < k1, other=0.0).to(tl.float32)
         sq += v * v
-    return 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
+    return tl.sum(sq, axis=0)
+
+
+@triton.jit
+def inv_rms(parts_ptr, sumsq, pid_k, split_k, K, eps, SPLIT_P2: tl.constexpr):
+    """`1 / sqrt(mean(row²) + eps)` (RMSNorm's factor) from the splits' `slice_sumsq`, which
+    each stored at `parts_ptr + pid_k` before arriving; split_k = 1: its own sum."""
+    if split_k > 1:
+        splits = tl.arange(0, SPLIT_P2)
+        sumsq = tl.sum(tl.load(parts_ptr + splits, mask=splits < split_k, other=0.0,
+                               cache_modifier=".cg"), axis=0)
+    return 1.0 / tl.sqrt(sumsq / K + eps)
 
 
 @triton.jit
@@ -49,10 +66,9 @@ def residual(total, offs_n, n_mask, y_ptr, res_ptr, w_ptr, y2_ptr, OUT: tl.const
 
 
 @triton.jit
-def rms_swiglu(total, pid_n, N, y_ptr, row_ptr, K, eps, BLOCK_N: tl.constexpr, OUT: tl.constexpr):
-    """Columns 2j, 2j + 1 are gate_j, up_j: store `silu(gate)·up` (N / 2 wide) after scaling by
-    the input row's 1/rms."""
-    v = total * row_inv_rms(row_ptr, K, eps)
+def swiglu(v, pid_n, N, y_ptr, BLOCK_N: tl.constexpr, OUT: tl.constexpr):
+    """Columns 2j, 2j + 1 are gate_j, up_j (already scaled by 1/rms): store `silu(gate)·up`
+    (N / 2 wide)."""
     gate, up = tl.split(tl.reshape(v, (BLOCK_N // 2, 2)))
     act = gate / (1.0 + tl.exp(-gate)) * up
     offs = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
@@ -60,15 +76,13 @@ def rms_swiglu(total, pid_n, N, y_ptr, row_ptr, K, eps, BLOCK_N: tl.constexpr, O
 
 
 @triton.jit
-def rms_rope_cache(total, pid_n, y_ptr, row_ptr, K, eps, bias_ptr, cos_ptr, sin_ptr, pos_ptr,
-                   kc_ptr, vc_ptr, NQ, NKV, CACHE_S, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                   OUT: tl.constexpr):
-    """Columns `[q (NQ) | k (NKV) | v (NKV)]` of one token, heads of D: scale by 1/rms, add the
-    bias, rotate q and k (rotate-half RoPE, tables `[S, D]` float32 at the step's position),
-    store q at `y`, k and v at that position of the caches `[KV heads, CACHE_S, D]`."""
+def rope_cache(v, pid_n, y_ptr, bias_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, NQ, NKV,
+               CACHE_S, BLOCK_N: tl.constexpr, D: tl.constexpr, OUT: tl.constexpr):
+    """Columns `[q (NQ) | k (NKV) | v (NKV)]` of one token (already scaled by 1/rms), heads of
+    D: add the bias, rotate q and k (rotate-half RoPE, tables `[S, D]` float32 at the step's
+    position), store q at `y`, k and v at that position of the caches `[KV heads, CACHE_S, D]`."""
     NH: tl.constexpr = BLOCK_N // D
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    v = total * row_inv_rms(row_ptr, K, eps)
     if bias_ptr is not None:
         v += tl.load(bias_ptr + offs_n, mask=offs_n < NQ + 2 * NKV, other=0.0).to(tl.float32)
     pos = tl.load(pos_ptr)

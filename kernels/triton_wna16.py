@@ -444,6 +444,8 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
         w_next = tl.load(w_ptrs, mask=(offs_n < tl.where(b0 < b1, N, 0))[:, None], other=0)
     if PDL > 0:
         gdc_wait()
+    if EPI >= epi.RMS_SWIGLU:
+        sumsq = epi.slice_sumsq(e_row_ptr, b0 * BK, tl.minimum(b1 * BK, K))
     if PF:
         x_next, s_next, z_next = _gemv_inputs(x_row, s_ptr, z_ptr, b0, b1, k_in, s, z, offs_n,
                                               n_mask, N, K, NG, BITS, GROUP, GLU)
@@ -476,6 +478,9 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
         _finish(acc, y_ptr + m * stride_ym + offs_n, ws_ptr + m * N + offs_n, M * N, n_mask,
                 cnt_ptr, m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K, OUT, True, SPLIT_P2)
     else:
+        rms_parts = ws_ptr + SPLIT_K * N + pid_n * SPLIT_P2  # past the partials (M = 1)
+        if EPI >= epi.RMS_SWIGLU and SPLIT_K > 1:
+            tl.store(rms_parts + pid_k, sumsq)
         if SPLIT_K == 1:
             last, total = pid_k == 0, acc
         else:
@@ -484,12 +489,14 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
         if last:
             if EPI == epi.RESIDUAL:
                 epi.residual(total, offs_n, n_mask, y_ptr, e_row_ptr, e_w_ptr, e_y2_ptr, OUT)
-            elif EPI == epi.RMS_SWIGLU:
-                epi.rms_swiglu(total, pid_n, N, y_ptr, e_row_ptr, K, e_eps, BLOCK_N, OUT)
             else:
-                epi.rms_rope_cache(total, pid_n, y_ptr, e_row_ptr, K, e_eps, e_w_ptr, e_cos_ptr,
-                                   e_sin_ptr, e_pos_ptr, e_kc_ptr, e_vc_ptr, e_nq, e_nkv,
-                                   e_cache_s, BLOCK_N, HEAD_D, OUT)
+                total *= epi.inv_rms(rms_parts, sumsq, pid_k, SPLIT_K, K, e_eps, SPLIT_P2)
+                if EPI == epi.RMS_SWIGLU:
+                    epi.swiglu(total, pid_n, N, y_ptr, BLOCK_N, OUT)
+                else:
+                    epi.rope_cache(total, pid_n, y_ptr, e_w_ptr, e_cos_ptr, e_sin_ptr, e_pos_ptr,
+                                   e_kc_ptr, e_vc_ptr, e_nq, e_nkv, e_cache_s, BLOCK_N, HEAD_D,
+                                   OUT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -815,7 +822,8 @@ def _launch_gemv(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, config: dic
         max_split = _max_split("gemv", n, nblk, m, out.device)
     else:
         max_split = config["SPLIT_K"]
-    ws, cnt = split_workspaces(x.device, m, n, max_split)
+    # an epilogue's splits also store their row sums past the partials (fewer than N)
+    ws, cnt = split_workspaces(x.device, m, n, max_split + (1 if epilogue else 0))
     args = (x, p.qweight, p.scales, p.zeros, out, ws, cnt, m, n, k, nblk, p.scales.shape[0],
             x.stride(0), out.stride(0), MAGIC32)
     common = dict(BITS=p.bits, GROUP=p.group_constexpr, GLU=glu)

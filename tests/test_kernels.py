@@ -456,24 +456,32 @@ def _first(lines: list[str], prefix: str) -> int:
 GEMV_SIG = {**{n: "*bf16" for n in ("x_ptr", "s_ptr", "z_ptr", "y_ptr")}, "qw_ptr": "*i32", "ws_ptr": "*fp32",
             "cnt_ptr": "*i32", **{n: "i32" for n in ("M", "N", "K", "NBLK", "NG", "stride_xm", "stride_ym",
                                                       "magic32", "SPLIT_K")}}
+# The epilogue inputs at their defaults (no epilogue), as constexprs.
+GEMV_PLAIN = {"EPI": 0, "HEAD_D": 128, "e_eps": 0.0, "e_nq": 0, "e_nkv": 0, "e_cache_s": 0,
+              **{f"e_{n}_ptr": None for n in ("row", "w", "y2", "cos", "sin", "pos", "kc", "vc")}}
 
 
 @needs_triton
-@pytest.mark.parametrize("stages", [1, 3])
-def test_gemv_pdl_waits_before_reading_activations(stages):
+@pytest.mark.parametrize("stages,epi", [(1, 0), (3, 0), (3, 2)])
+def test_gemv_pdl_waits_before_reading_activations(stages, epi):
     """With PDL (benchmarks/pdl_chain.py, QUANTLAB_PDL=1) the GEMV may start while the kernel
     that writes its activations is still running: compiled for sm_90 (on the CPU, no GPU
     needed), it lets the next kernel launch before any load, and every 16-bit load
     (activations, scales, zeros) and workspace atomic comes after `griddepcontrol.wait`. The
     register-prefetch GEMV (STAGES = 1) loads weight words before the wait; the staged one
     copies them into shared memory with cp.async (Triton's software pipeline). Without PDL no
-    grid-dependency instruction is emitted."""
+    grid-dependency instruction is emitted. The RMS_SWIGLU epilogue (epi 2) reads its normed
+    row after the wait too."""
     consts = dict(BITS=4, GROUP=128, BLOCK_N=128, SPLIT_P2=8, PF=True, DENORM=True, GLU=False,
-                  STAGES=stages)
+                  STAGES=stages, **{**GEMV_PLAIN, "EPI": epi})
+    sig = dict(GEMV_SIG)
+    if epi:
+        del consts["e_row_ptr"], consts["e_eps"]
+        sig.update(e_row_ptr="*bf16", e_eps="fp32")
     mod = "quantlab.kernels.triton_wna16"
-    plain = sm90_ptx(mod, "_gemv_kernel", GEMV_SIG, {**consts, "PDL": 0}, num_warps=1, num_stages=1)
+    plain = sm90_ptx(mod, "_gemv_kernel", sig, {**consts, "PDL": 0}, num_warps=1, num_stages=1)
     assert not any("griddepcontrol" in ln for ln in plain)
-    lines = sm90_ptx(mod, "_gemv_kernel", GEMV_SIG, {**consts, "PDL": 2}, num_warps=1, num_stages=1,
+    lines = sm90_ptx(mod, "_gemv_kernel", sig, {**consts, "PDL": 2}, num_warps=1, num_stages=1,
                      launch_pdl=True)
     wait, launch = _first(lines, "griddepcontrol.wait"), _first(lines, "griddepcontrol.launch_dependents")
     reads = [i for i, ln in enumerate(lines) if "ld.global" in ln or "cp.async.c" in ln]
