@@ -35,12 +35,9 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, mask_ptr, pos_ptr, m_pt
                     stride_vb, stride_vh, stride_vs, stride_mb,
                     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
                     BLOCK_S: tl.constexpr, CODES: tl.constexpr, UPCAST: tl.constexpr,
-                    PDL: tl.constexpr = False, cnt_ptr=None, out_ptr=None, stride_ob=0,
-                    stride_oh=0, NSPLIT_P2: tl.constexpr = 1):
+                    PDL: tl.constexpr = False):
     """Keys [split·CHUNK, min((split + 1)·CHUNK, pos + 1)) of one (row, KV head). PDL: the
-    combination may launch at once; everything read here waits for the previous kernel.
-    With `cnt_ptr` (one launch) the last split of a (row, KV head) to arrive combines them all
-    (`_combine_group`) and resets its counter."""
+    combination may launch at once; everything read here waits for the previous kernel."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -86,33 +83,6 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, mask_ptr, pos_ptr, m_pt
     tl.store(m_ptr + row * BLOCK_G + offs_g, m_i)
     tl.store(l_ptr + row * BLOCK_G + offs_g, l_i)
     tl.store(acc_ptr + (row * BLOCK_G + offs_g)[:, None] * D + offs_d[None, :], acc)
-    if cnt_ptr is not None:
-        tl.debug_barrier()
-        if tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel") == nsplit - 1:
-            _combine_group(m_ptr, l_ptr, acc_ptr, out_ptr + b * stride_ob + h * GROUP * stride_oh,
-                           bh, nsplit, stride_oh, GROUP, BLOCK_G, D, NSPLIT_P2)
-            tl.store(cnt_ptr + bh, 0)
-
-
-@triton.jit
-def _combine_group(m_ptr, l_ptr, acc_ptr, out_ptr, bh, nsplit, stride_oh, GROUP: tl.constexpr,
-                   BLOCK_G: tl.constexpr, D: tl.constexpr, NSPLIT_P2: tl.constexpr):
-    """The query heads of one (row, KV head) from every split's max, sum and values, each in
-    one load (`.cg`: written by other programs)."""
-    splits = tl.arange(0, NSPLIT_P2)
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, D)
-    valid = (splits < nsplit)[:, None]
-    rows = (bh * nsplit + splits)[:, None] * BLOCK_G + offs_g[None, :]  # [splits, heads]
-    m = tl.load(m_ptr + rows, mask=valid, other=float("-inf"), cache_modifier=".cg")
-    l_ = tl.load(l_ptr + rows, mask=valid, other=0.0, cache_modifier=".cg")
-    acc = tl.load(acc_ptr + rows[:, :, None] * D + offs_d[None, None, :], mask=valid[:, :, None],
-                  other=0.0, cache_modifier=".cg")
-    m_all = tl.max(m, axis=0)
-    w = tl.where(valid, tl.exp(m - tl.where(m_all == float("-inf"), 0.0, m_all)[None, :]), 0.0)
-    out = tl.sum(w[:, :, None] * acc, axis=0) / tl.sum(w * l_, axis=0)[:, None]
-    tl.store(out_ptr + offs_g[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=(offs_g < GROUP)[:, None])
 
 
 @triton.jit
@@ -144,30 +114,15 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, NSPLIT, KVH, stride_ob, stri
              out.to(out_ptr.dtype.element_ty))
 
 
-ONE_LAUNCH = True  # the last split combines (else a second kernel)
-ONE_LAUNCH_SPLITS = 4  # at most, so that the last split's one-load combination stays small
-_COUNTERS: dict[str, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Arrival counters per (row, KV head), zero between calls (the last split resets its own)."""
-    buf = _COUNTERS.get(str(device))
-    if buf is None or buf.numel() < n:
-        buf = _COUNTERS[str(device)] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return buf
-
-
-def _chunk(length: int, programs: int, device: torch.device, max_splits: int | None = None) -> int:
-    """Keys per split: about two programs per SM over the whole grid (at most `max_splits`
-    splits), whole inner blocks."""
+def _chunk(length: int, programs: int, device: torch.device) -> int:
+    """Keys per split: about two programs per SM over the whole grid, whole inner blocks."""
     want = max(1, 2 * sm_count(device, 4) // max(programs, 1))
-    want = min(want, max_splits or want)
     return BLOCK_S * max(1, math.ceil(math.ceil(length / want) / BLOCK_S))
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                      pos: torch.Tensor, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None, one_launch: bool | None = None) -> torch.Tensor:
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention of one query per row: `q [B, H, D]` over the cache `k, v [B, KVH, S, D]`
     (the compute dtype, or int8 / FP8 codes with `k_scale, v_scale [KVH]` float32), keys with
     `mask [B, ≥ S]` true and positions ≤ `pos[0]` (int64, on the device). → `[B, H, D]` in q's
@@ -179,8 +134,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     block_g = max(16, triton.next_power_of_2(group))
     codes = k_scale is not None
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and q.stride(-1) == 1 and d == triton.next_power_of_2(d)
-    one = ONE_LAUNCH if one_launch is None else one_launch
-    chunk = _chunk(s, b * kvh, q.device, ONE_LAUNCH_SPLITS if one else None)
+    chunk = _chunk(s, b * kvh, q.device)
     launch = dict(num_warps=1 if interpret_mode() else 4,
                   **(dict(PDL=True, launch_pdl=True) if pdl_on(q) else {}))
     nsplit = triton.cdiv(s, chunk)
@@ -189,16 +143,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     acc = torch.empty(m.numel() * d, dtype=torch.float32, device=q.device)
     mask8 = mask.view(torch.int8) if mask.dtype == torch.bool else mask
     scales = (k_scale, v_scale) if codes else (m, m)  # unread without codes
-    out = torch.empty_like(q)
-    combine = dict(cnt_ptr=_counters(q.device, b * kvh), out_ptr=out, stride_ob=out.stride(0),
-                   stride_oh=out.stride(1), NSPLIT_P2=triton.next_power_of_2(nsplit)) if one else {}
     _partial_kernel[(b * kvh, nsplit)](
         q, k, v, *scales, mask8, pos, m, l_, acc, s, kvh, chunk, 1.0 / math.sqrt(d),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         mask8.stride(0), GROUP=group, BLOCK_G=block_g, D=d, BLOCK_S=BLOCK_S, CODES=codes,
-        UPCAST=interpret_mode() or q.dtype == torch.float32, **launch, **combine)
-    if one:
-        return out
+        UPCAST=interpret_mode() or q.dtype == torch.float32, **launch)
+    out = torch.empty_like(q)
     _combine_kernel[(b * kvh, group)](m, l_, acc, out, nsplit, kvh, out.stride(0), out.stride(1),
                                       GROUP=group, BLOCK_G=block_g, D=d,
                                       NSPLIT_P2=triton.next_power_of_2(nsplit), **launch)

@@ -499,8 +499,7 @@ def test_gemv_pdl_waits_before_reading_activations(stages, epi):
 @needs_triton
 def test_attention_pdl_waits_before_every_load():
     """Everything the attention kernels read (q, the cache, the mask, the partials) comes from
-    earlier kernels: under PDL each waits before its first global load (also the one-launch
-    partial kernel, whose last split combines)."""
+    earlier kernels: under PDL each waits before its first global load."""
     mod = "quantlab.kernels.triton_attention"
     partial_sig = {**{n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr")},
                    **{n: "*fp32" for n in ("ks_ptr", "vs_ptr", "m_ptr", "l_ptr", "acc_ptr")},
@@ -509,12 +508,8 @@ def test_attention_pdl_waits_before_every_load():
                                          "stride_ks", "stride_vb", "stride_vh", "stride_vs", "stride_mb")}}
     combine_sig = {**{n: "*fp32" for n in ("m_ptr", "l_ptr", "acc_ptr")}, "out_ptr": "*bf16",
                    **{n: "i32" for n in ("NSPLIT", "KVH", "stride_ob", "stride_oh")}}
-    partial = dict(GROUP=7, BLOCK_G=16, D=128, BLOCK_S=32, CODES=False, UPCAST=False)
-    one_launch_sig = {**partial_sig, "cnt_ptr": "*i32", "out_ptr": "*bf16", "stride_ob": "i32", "stride_oh": "i32"}
     for kernel, sig, consts in (
-            ("_partial_kernel", partial_sig,
-             dict(partial, cnt_ptr=None, out_ptr=None, stride_ob=0, stride_oh=0, NSPLIT_P2=1)),
-            ("_partial_kernel", one_launch_sig, dict(partial, NSPLIT_P2=4)),
+            ("_partial_kernel", partial_sig, dict(GROUP=7, BLOCK_G=16, D=128, BLOCK_S=32, CODES=False, UPCAST=False)),
             ("_combine_kernel", combine_sig, dict(GROUP=7, BLOCK_G=16, D=128, NSPLIT_P2=32))):
         lines = sm90_ptx(mod, kernel, sig, {**consts, "PDL": True}, num_warps=4, launch_pdl=True)
         wait = _first(lines, "griddepcontrol.wait")
@@ -579,17 +574,16 @@ def _attention_case(dtype, cache: str, seed: int = 0):
 @needs_triton
 @pytest.mark.parametrize("cache", ["float", "int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("one_launch", [True, False])
-def test_decode_attention_matches_the_torch_path(dtype, cache, one_launch):
+def test_decode_attention_matches_the_torch_path(dtype, cache):
     """Flash-decoding over the static cache, as stored (C8 codes dequantized per key block),
     against the runner's torch decode path: float32 agrees to rounding. In bf16 the two round
     differently (the kernel keeps float32 scores; the interpreter truncates f32 → bf16, also
     where it dequantizes codes), so each is checked against float64: the kernel's error stays
-    within 3× the torch path's own. One launch (the last split combines) or two."""
+    within 3× the torch path's own."""
     from quantlab.kernels.triton_attention import decode_attention
 
     args, ref, truth = _attention_case(dtype, cache)
-    out = decode_attention(*(a.to(DEV) if a is not None else None for a in args), one_launch=one_launch).cpu()
+    out = decode_attention(*(a.to(DEV) if a is not None else None for a in args)).cpu()
     assert out.dtype == dtype and out.shape == ref.shape
     if dtype == torch.float32:
         assert rel_err(out, ref) < 1e-5, rel_err(out, ref)
