@@ -165,13 +165,17 @@ def generate_cmd(
         help="decode steps: auto (compile on a GPU, eager on the CPU) | eager | graphs | compile")] = "auto",
     attention: Annotated[str, typer.Option(
         help="decode attention: torch | triton (flash-decoding kernel over the cache as stored; on a GPU)")] = "torch",
+    fused_decode: Annotated[bool, typer.Option(
+        help="decode each layer as four GEMVs with fused epilogues and the attention kernel "
+             "(W4A16/W8A16 models, batch 1, on a GPU)")] = False,
 ) -> None:
     """Generate text with quantlab's runner from a run's quantized model, streaming to stdout."""
     from quantlab.runner.stream import run_generate
 
     _quiet_libraries()
     run_generate(run_dir, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                 seed=seed, device=device, chat=chat, decode=decode, attention=attention)
+                 seed=seed, device=device, chat=chat, decode=decode, attention=attention,
+                 fused_decode=fused_decode)
 
 
 @app.command("recipes")

@@ -335,9 +335,9 @@ def test_fused_decode_step_matches_the_unfused_one():
 
     def run(fused: bool):
         model.setup_caches(1, 12)
-        model.fused_decode = False
+        model.fused_layers = False
         pre = model(prompt, torch.arange(6, device=DEV))
-        model.fused_decode = fused
+        model.fused_layers = fused
         step = model(nxt, torch.tensor([6], device=DEV))
         caches = [(layer.self_attn.kv_cache.k.clone(), layer.self_attn.kv_cache.v.clone()) for layer in model.model.layers]
         return pre, step, caches

@@ -248,7 +248,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.args, self.model, self.lm_head = args, model, lm_head
         self.max_batch, self.max_seq_len = 0, 0
-        self.fused_decode = False
+        self.fused_layers = False  # batch-1 decode steps through Block.fused_step
 
     @property
     def device(self) -> torch.device:
@@ -272,12 +272,12 @@ class Transformer(nn.Module):
         (`Block.fused_step`, kernels/gemv_epilogue.py) where every layer takes it and the
         Triton kernels run here; returns whether it is on. Interleaves gate_up's columns."""
         layers = self.model.layers
-        self.fused_decode = on and self.dtype in (torch.bfloat16, torch.float16) and \
+        self.fused_layers = on and self.dtype in (torch.bfloat16, torch.float16) and \
             ops.use_triton(self.model.embed_tokens.weight) and all(layer.fusable() for layer in layers)
-        if self.fused_decode:
+        if self.fused_layers:
             for layer in layers:
                 layer.mlp.interleave_gate_up()
-        return self.fused_decode
+        return self.fused_layers
 
     def setup_caches(self, batch: int, max_seq_len: int) -> None:
         """Allocate the KV caches and the RoPE table; reused while large enough (and the batch
@@ -306,7 +306,7 @@ class Transformer(nn.Module):
         if self.max_batch == 0:
             raise RuntimeError("call setup_caches(batch, max_seq_len) before the forward pass")
         mask = self._mask(input_pos, attend_len or self.max_seq_len)
-        if self.fused_decode and idx.shape == (1, 1):
+        if self.fused_layers and idx.shape == (1, 1):
             return self._fused_decode_step(idx, input_pos, mask[:, 0, 0])
         x = self.model.embed_tokens(idx)
         cos, sin = self._rope(input_pos, x.dtype)

@@ -46,7 +46,8 @@ def check_args(prompt: str, max_new_tokens: int, temperature: float, top_k: int 
 
 def run_generate(path: Path, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0,
                  top_k: int | None = None, seed: int = 0, device: str = "auto", chat: bool = False,
-                 out: TextIO | None = None, decode: str = "auto", attention: str = "torch") -> None:
+                 out: TextIO | None = None, decode: str = "auto", attention: str = "torch",
+                 fused_decode: bool = False) -> None:
     from transformers import AutoTokenizer
 
     from quantlab.context import pick_device
@@ -78,6 +79,8 @@ def run_generate(path: Path, prompt: str, max_new_tokens: int = 64, temperature:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = load_runner(source, dev, dtype)
     model.set_attention(attention)
+    if fused_decode and not model.set_fused_decode(True):
+        print("[--fused-decode: this model or device does not take it; decoding unfused]", file=sys.stderr)
     stream = TextStream(tokenizer, out or sys.stdout)
     start = time.perf_counter()
     result = generate(model, [ids], max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
