@@ -318,7 +318,7 @@ def _epilogue_direct(x, qweight, scales, zeros, bits, group_size, in_features, o
     args: dict = dict(EPI=kind, e_row_ptr=row, e_w_ptr=weight, e_eps=eps)
     if kind == Epilogue.RESIDUAL:
         args["e_y2_ptr"] = outs[1] if weight is not None else None
-    elif k_cache is not None:
+    elif kind == Epilogue.RMS_ROPE_CACHE:
         args.update(HEAD_D=k_cache.shape[-1], e_cos_ptr=cos, e_sin_ptr=sin, e_pos_ptr=pos, e_kc_ptr=k_cache,
                     e_vc_ptr=v_cache, e_nq=nq, e_nkv=nkv, e_cache_s=k_cache.shape[-2])
     wna16_gemv_epilogue(x, p, outs[0], args)

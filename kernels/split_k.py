@@ -39,6 +39,19 @@ def largest_split(prune, configs, device: torch.device, **shape) -> int:
 @triton.jit
 def split_total(acc, ws_ptrs, MN, mask, cnt_ptr, tile, pid_k, split_k,
                 ONE_LOAD: tl.constexpr = False, SPLIT_P2: tl.constexpr = 1):
+    """(Whether this program completes its tile, the tile's sum): unsplit, `acc` itself with
+    nothing stored; else `_arrive`'s."""
+    last = pid_k == 0
+    total = acc
+    if split_k > 1:
+        last, total = _arrive(acc, ws_ptrs, MN, mask, cnt_ptr, tile, pid_k, split_k, ONE_LOAD,
+                              SPLIT_P2)
+    return last, total
+
+
+@triton.jit
+def _arrive(acc, ws_ptrs, MN, mask, cnt_ptr, tile, pid_k, split_k,
+            ONE_LOAD: tl.constexpr, SPLIT_P2: tl.constexpr):
     """Store this split's partial `acc` (float32 or int32, kept exact through a bitcast) at
     `ws_ptrs + pid_k·MN`; returns (whether this program arrived last, the sum of every split's
     partial in split order — meaningful only for the last). ONE_LOAD (1-D tiles; SPLIT_P2 a

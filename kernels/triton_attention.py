@@ -10,8 +10,8 @@ batch-1 step still spreads over the GPU.
 
 Two launches: per (row, KV head, split) the running max, the sum of exponentials and the
 weighted values of the KV head's query heads (the GQA group, padded to 16 rows for the MMA);
-then their combination, one program per query head. Scores stay float32 (the torch path rounds q·k to the compute dtype
-first), so the two agree to that rounding, not bit for bit.
+then their combination, one program per query head. Scores stay float32 (the torch path
+rounds q·k to the compute dtype first), so the two agree to that rounding, not bit for bit.
 """
 
 from __future__ import annotations

@@ -85,18 +85,14 @@ def _scaled_tile(tile, pid_k, split_k, a_desc, b_desc, sa_ptr, sb_ptr, zc_ptr, r
             acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
         else:
             acc = tl.dot(a, b.T, acc)
-    if split_k == 1:
-        _epilogue(acc, off_m, off_n, sa_ptr, sb_ptr, zc_ptr, rs_ptr, y_ptr, M, N, stride_ym,
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    last, total = split_total(acc, ws_ptr + offs_m[:, None] * N + offs_n[None, :], M * N, mask,
+                              cnt_ptr, tile, pid_k, split_k)
+    if last:
+        _epilogue(total, off_m, off_n, sa_ptr, sb_ptr, zc_ptr, rs_ptr, y_ptr, M, N, stride_ym,
                   ROW_A, ROW_B, ZC, BLOCK_M, BLOCK_N)
-    else:
-        offs_m = off_m + tl.arange(0, BLOCK_M)
-        offs_n = off_n + tl.arange(0, BLOCK_N)
-        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-        last, total = split_total(acc, ws_ptr + offs_m[:, None] * N + offs_n[None, :], M * N, mask,
-                                  cnt_ptr, tile, pid_k, split_k)
-        if last:
-            _epilogue(total, off_m, off_n, sa_ptr, sb_ptr, zc_ptr, rs_ptr, y_ptr, M, N, stride_ym,
-                      ROW_A, ROW_B, ZC, BLOCK_M, BLOCK_N)
 
 
 @triton.jit

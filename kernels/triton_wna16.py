@@ -226,13 +226,10 @@ def _finish(acc, y_ptrs, ws_ptrs, MN, mask, cnt_ptr, tile, pid_k, split_k, OUT: 
             ONE_LOAD: tl.constexpr = False, SPLIT_P2: tl.constexpr = 1):
     """Store a tile, or its split-K partial; the last split to arrive stores the sum
     (`split_k.split_total`)."""
-    if split_k == 1:
-        tl.store(y_ptrs, acc.to(OUT), mask=mask)
-    else:
-        last, total = split_total(acc, ws_ptrs, MN, mask, cnt_ptr, tile, pid_k, split_k,
-                                  ONE_LOAD, SPLIT_P2)
-        if last:
-            tl.store(y_ptrs, total.to(OUT), mask=mask)
+    last, total = split_total(acc, ws_ptrs, MN, mask, cnt_ptr, tile, pid_k, split_k, ONE_LOAD,
+                              SPLIT_P2)
+    if last:
+        tl.store(y_ptrs, total.to(OUT), mask=mask)
 
 
 @triton.jit
@@ -352,8 +349,8 @@ DENORM_X = tl.constexpr(64)  # the activations' scale 2^64: code × x products a
 
 @triton.jit
 def _denormal_scale(pos, BITS: tl.constexpr):
-    """Per stored position, the activation's factor `2^(DENORM_X − sh)` (sh: the shift of its
-    code within the 16-bit half), as float32 bits. A denormal code `q·2^(sh − 149)` times the
+    """Per stored position, the activation's factor `2^(DENORM_X − sh)` (sh: where its code
+    sits in the register `_denormal_code` masks), as float32 bits. A denormal code `q·2^(sh − 149)` times the
     scaled activation is `q·x·2^(DENORM_X − 149)`, a normal float for |q·x| ≥ 2^−41, exact as
     float32 `q·x` is; activations up to 2^64 do not overflow."""
     slot = pos % (32 // BITS)
@@ -482,11 +479,8 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
         rms_parts = ws_ptr + SPLIT_K * N + pid_n * SPLIT_P2  # past the partials (M = 1)
         if EPI >= epi.RMS_SWIGLU and SPLIT_K > 1:
             tl.store(rms_parts + pid_k, sumsq)
-        if SPLIT_K == 1:
-            last, total = pid_k == 0, acc
-        else:
-            last, total = split_total(acc, ws_ptr + offs_n, N, n_mask, cnt_ptr, pid_n, pid_k,
-                                      SPLIT_K, True, SPLIT_P2)
+        last, total = split_total(acc, ws_ptr + offs_n, N, n_mask, cnt_ptr, pid_n, pid_k,
+                                  SPLIT_K, True, SPLIT_P2)
         if last:
             if EPI == epi.RESIDUAL:
                 epi.residual(total, offs_n, n_mask, y_ptr, e_row_ptr, e_w_ptr, e_y2_ptr, OUT)

@@ -22,10 +22,10 @@ from torch import nn
 
 from quantlab.errors import UserError
 from quantlab.kernels import ops
-from quantlab.quant.activations import compute_dtype
-from quantlab.runner.kv import KVCache, KVQuant
 from quantlab.kernels.layout import PackedWNA16
 from quantlab.kernels.ops import Epilogue
+from quantlab.quant.activations import compute_dtype
+from quantlab.runner.kv import KVCache, KVQuant
 from quantlab.runner.linear import WNA16Linear, swiglu_down
 
 SUPPORTED = ("llama", "qwen2", "mistral")
