@@ -442,8 +442,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--attention", choices=("torch", "triton"), default="torch",
                     help="the runner's decode attention: torch ops, or the flash-decoding kernel")
     ap.add_argument("--pdl", action="store_true",
-                    help="programmatic dependent launch (QUANTLAB_PDL=1): GEMV, attention and Inductor's "
-                         "decode-step kernels launch early on Hopper")
+                    help="programmatic dependent launch (QUANTLAB_PDL=1): the GEMV and attention kernels "
+                         "and Inductor's decode-step kernels launch early on Hopper")
     ap.add_argument("--swiglu-gemv", action="store_true",
                     help="QUANTLAB_SWIGLU_GEMV=1: the W4A16 down projection's GEMV forms silu(gate)·up "
                          "as it loads (no kernel between the MLP's GEMVs)")

@@ -127,7 +127,8 @@ def variants(qk) -> dict[str, Callable]:
         return gemm
 
     return {"bf16": bf16, "w4a16": w4a16(0), "w4a16_pdl_after_loop": w4a16(1),
-            "w4a16_pdl_at_start": w4a16(2), "read_floor": floor(False), "read_floor_pdl": floor(True)}
+            "w4a16_pdl_at_start": w4a16(2), "w4a16_pdl_after_wait": w4a16(3),
+            "read_floor": floor(False), "read_floor_pdl": floor(True)}
 
 
 def gemv_errors(qk, weights: Weights) -> dict[str, float]:

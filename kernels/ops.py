@@ -149,6 +149,33 @@ def pdl_on(t: torch.Tensor) -> bool:
     return pdl_requested() and t.is_cuda and not interpret_mode() and use_triton(t, (9, 0))
 
 
+class PdlTrigger(enum.IntEnum):
+    """Where a PDL kernel lets the next kernel launch (its `PDL` constexpr; 0 is PDL off).
+
+    START lets a chain of PDL kernels cascade: each one's programs launch as soon as the
+    previous one's have all started, so several kernels' programs can sit waiting at once.
+    AFTER_WAIT keeps at most one kernel waiting ahead: the next launches once this one's wait
+    is over, that is once the kernel before it has finished."""
+    AFTER_LOOP = 1
+    START = 2
+    AFTER_WAIT = 3
+
+
+def pdl_launch(t: torch.Tensor) -> dict:
+    """The launch options of a PDL-capable kernel on `t`'s device: none where `pdl_on` fails,
+    else `launch_pdl` and the trigger QUANTLAB_PDL_TRIGGER names: "wait" (the default) or
+    "start". The fused batch-1 decode step on H100s (benchmarks/decode.py) ran at 414–419
+    tok/s without PDL; with it at 339.6 under START (session 14) and 393–425 under AFTER_WAIT
+    (session 15, three machines: results/decode_h100_s15_pdl_diag.txt)."""
+    if not pdl_on(t):
+        return {}
+    name = os.environ.get("QUANTLAB_PDL_TRIGGER", "wait")
+    trigger = {"start": PdlTrigger.START, "wait": PdlTrigger.AFTER_WAIT}.get(name)
+    if trigger is None:
+        raise ValueError(f"QUANTLAB_PDL_TRIGGER: choose start or wait, got {name!r}")
+    return dict(PDL=int(trigger), launch_pdl=True)
+
+
 def use_triton(t: torch.Tensor, min_capability: tuple[int, int] = (8, 0)) -> bool:
     """Whether a tensor on this device should go through the Triton kernels."""
     if not _TRITON:

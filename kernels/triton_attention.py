@@ -23,10 +23,22 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from quantlab.kernels.ops import interpret_mode, pdl_on, sm_count
+from quantlab.kernels.ops import interpret_mode, pdl_launch, sm_count
 from quantlab.kernels.triton_wna16 import _dot
 
 BLOCK_S = 32  # keys per inner iteration
+
+
+@triton.jit
+def _pdl_enter(PDL: tl.constexpr):
+    """Wait for the previous kernel (nothing these kernels read is theirs before it ends) and
+    let the next one launch where `ops.PdlTrigger` PDL says."""
+    if PDL == 2:
+        gdc_launch_dependents()
+    if PDL > 0:
+        gdc_wait()
+    if PDL == 3:
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -35,12 +47,10 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, mask_ptr, pos_ptr, m_pt
                     stride_vb, stride_vh, stride_vs, stride_mb,
                     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
                     BLOCK_S: tl.constexpr, CODES: tl.constexpr, UPCAST: tl.constexpr,
-                    PDL: tl.constexpr = False):
-    """Keys [split·CHUNK, min((split + 1)·CHUNK, pos + 1)) of one (row, KV head). PDL: the
-    combination may launch at once; everything read here waits for the previous kernel."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+                    PDL: tl.constexpr = 0):
+    """Keys [split·CHUNK, min((split + 1)·CHUNK, pos + 1)) of one (row, KV head). PDL
+    (`ops.PdlTrigger`): everything read here waits for the previous kernel."""
+    _pdl_enter(PDL)
     bh = tl.program_id(0)
     split = tl.program_id(1)
     nsplit = tl.num_programs(1)
@@ -88,13 +98,11 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, mask_ptr, pos_ptr, m_pt
 @triton.jit
 def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, NSPLIT, KVH, stride_ob, stride_oh,
                     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                    NSPLIT_P2: tl.constexpr, PDL: tl.constexpr = False):
+                    NSPLIT_P2: tl.constexpr, PDL: tl.constexpr = 0):
     """One query head per program: every split's max, sum and values in one load each. (A
     loop over the splits per KV head made this launch as long as the partials' on an H100:
     one dependent round trip to memory per split, on 4 programs.)"""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    _pdl_enter(PDL)
     bh = tl.program_id(0)
     g = tl.program_id(1)
     b = bh // KVH
@@ -136,7 +144,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and q.stride(-1) == 1 and d == triton.next_power_of_2(d)
     chunk = _chunk(s, b * kvh, q.device)
     launch = dict(num_warps=1 if interpret_mode() else 4,
-                  **(dict(PDL=True, launch_pdl=True) if pdl_on(q) else {}))
+                  **pdl_launch(q))
     nsplit = triton.cdiv(s, chunk)
     m = torch.empty(b * kvh * nsplit * block_g, dtype=torch.float32, device=q.device)
     l_ = torch.empty_like(m)

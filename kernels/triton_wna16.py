@@ -80,7 +80,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from quantlab.kernels import gemv_epilogue as epi
 from quantlab.kernels.layout import BLOCK_K, PackedWNA16
-from quantlab.kernels.ops import autotune_bench, interpret_mode, pdl_on, sm_count
+from quantlab.kernels.ops import autotune_bench, interpret_mode, pdl_launch, sm_count
 from quantlab.kernels.split_k import largest_split, split_total, split_workspaces, wave_splits
 
 MAGIC32 = 0x4B000000  # float32 bits of 2^23
@@ -404,8 +404,8 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
     PDL (launched with `launch_pdl=True`, Hopper's programmatic dependent launch): with
     STAGES = 1 the first block's words, scales and zeros are loaded before waiting on the
     previous kernel, which wrote x — weights never depend on it; the staged loop's prologue
-    comes after the wait. The next kernel may launch from the start of the loop (PDL = 2) or
-    after it (PDL = 1). Nothing in the workspace is touched before the wait, so overlapping
+    comes after the wait. The next kernel may launch after the loop (PDL = 1), from the start
+    (2) or after the wait (3; `ops.PdlTrigger`). Nothing in the workspace is touched before the wait, so overlapping
     GEMVs share it safely.
 
     GLU: x is the gate/up projection's output `[gate | up]` and the GEMV multiplies
@@ -418,7 +418,8 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
     one-block register prefetch of the words is then off.
 
     EPI (M = 1): what the program completing a column tile does with it instead of storing it
-    (`gemv_epilogue`); the `e_*` arguments are its inputs."""
+    (`gemv_epilogue`); the `e_*` arguments are its inputs.
+"""
     BK: tl.constexpr = 256 // BITS
     OUT: tl.constexpr = y_ptr.dtype.element_ty
     if PDL == 2:
@@ -442,6 +443,8 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
         w_next = tl.load(w_ptrs, mask=(offs_n < tl.where(b0 < b1, N, 0))[:, None], other=0)
     if PDL > 0:
         gdc_wait()
+    if PDL == 3:
+        gdc_launch_dependents()
     if EPI >= epi.RMS_SWIGLU:
         sumsq = epi.slice_sumsq(e_row_ptr, b0 * BK, tl.minimum(b1 * BK, K))
     if PF:
@@ -824,7 +827,7 @@ def _launch_gemv(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, config: dic
     common = dict(BITS=p.bits, GROUP=p.group_constexpr, GLU=glu)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"], m)  # noqa: E731
     kern = TUNERS["gemv"] if config is None else _gemv_kernel
-    pdl = dict(PDL=2, launch_pdl=True) if pdl_on(x) and not (config or {}).get("PDL") else {}
+    pdl = {} if (config or {}).get("PDL") else pdl_launch(x)
     kern[grid](*args, **common, **(config or {}), **pdl, **epilogue)
 
 

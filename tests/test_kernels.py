@@ -462,8 +462,8 @@ GEMV_PLAIN = {"EPI": 0, "HEAD_D": 128, "e_eps": 0.0, "e_nq": 0, "e_nkv": 0, "e_c
 
 
 @needs_triton
-@pytest.mark.parametrize("stages,epi", [(1, 0), (3, 0), (3, 2)])
-def test_gemv_pdl_waits_before_reading_activations(stages, epi):
+@pytest.mark.parametrize("stages,epi,trigger", [(1, 0, 2), (3, 0, 2), (3, 2, 2), (1, 2, 3)])
+def test_gemv_pdl_waits_before_reading_activations(stages, epi, trigger):
     """With PDL (benchmarks/pdl_chain.py, QUANTLAB_PDL=1) the GEMV may start while the kernel
     that writes its activations is still running: compiled for sm_90 (on the CPU, no GPU
     needed), it lets the next kernel launch before any load, and every 16-bit load
@@ -471,7 +471,8 @@ def test_gemv_pdl_waits_before_reading_activations(stages, epi):
     register-prefetch GEMV (STAGES = 1) loads weight words before the wait; the staged one
     copies them into shared memory with cp.async (Triton's software pipeline). Without PDL no
     grid-dependency instruction is emitted. The RMS_SWIGLU epilogue (epi 2) reads its normed
-    row after the wait too."""
+    row after the wait too. With the trigger after the wait (3) the next kernel launches only
+    once the wait is over."""
     consts = dict(BITS=4, GROUP=128, BLOCK_N=128, SPLIT_P2=8, PF=True, DENORM=True, GLU=False,
                   STAGES=stages, **{**GEMV_PLAIN, "EPI": epi})
     sig = dict(GEMV_SIG)
@@ -481,11 +482,11 @@ def test_gemv_pdl_waits_before_reading_activations(stages, epi):
     mod = "quantlab.kernels.triton_wna16"
     plain = sm90_ptx(mod, "_gemv_kernel", sig, {**consts, "PDL": 0}, num_warps=1, num_stages=1)
     assert not any("griddepcontrol" in ln for ln in plain)
-    lines = sm90_ptx(mod, "_gemv_kernel", sig, {**consts, "PDL": 2}, num_warps=1, num_stages=1,
+    lines = sm90_ptx(mod, "_gemv_kernel", sig, {**consts, "PDL": trigger}, num_warps=1, num_stages=1,
                      launch_pdl=True)
     wait, launch = _first(lines, "griddepcontrol.wait"), _first(lines, "griddepcontrol.launch_dependents")
     reads = [i for i, ln in enumerate(lines) if "ld.global" in ln or "cp.async.c" in ln]
-    assert launch < reads[0]
+    assert launch < reads[0] if trigger == 2 else wait < launch
     halves = [i for i in reads if ".b16" in lines[i] or ".u16" in lines[i] or ", 0x2" in lines[i]]
     assert halves and all(i > wait for i in halves)
     assert all(i > wait for i, ln in enumerate(lines) if "atom." in ln)
@@ -499,7 +500,8 @@ def test_gemv_pdl_waits_before_reading_activations(stages, epi):
 @needs_triton
 def test_attention_pdl_waits_before_every_load():
     """Everything the attention kernels read (q, the cache, the mask, the partials) comes from
-    earlier kernels: under PDL each waits before its first global load."""
+    earlier kernels: under PDL each waits before its first global load, and lets the next
+    kernel launch before or after that wait as the trigger says."""
     mod = "quantlab.kernels.triton_attention"
     partial_sig = {**{n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr")},
                    **{n: "*fp32" for n in ("ks_ptr", "vs_ptr", "m_ptr", "l_ptr", "acc_ptr")},
@@ -511,19 +513,22 @@ def test_attention_pdl_waits_before_every_load():
     for kernel, sig, consts in (
             ("_partial_kernel", partial_sig, dict(GROUP=7, BLOCK_G=16, D=128, BLOCK_S=32, CODES=False, UPCAST=False)),
             ("_combine_kernel", combine_sig, dict(GROUP=7, BLOCK_G=16, D=128, NSPLIT_P2=32))):
-        lines = sm90_ptx(mod, kernel, sig, {**consts, "PDL": True}, num_warps=4, launch_pdl=True)
-        wait = _first(lines, "griddepcontrol.wait")
-        assert _first(lines, "griddepcontrol.launch_dependents") < wait < min(
-            i for i, ln in enumerate(lines) if "ld.global" in ln), kernel
+        for trigger in (ops.PdlTrigger.START, ops.PdlTrigger.AFTER_WAIT):
+            lines = sm90_ptx(mod, kernel, sig, {**consts, "PDL": int(trigger)}, num_warps=4, launch_pdl=True)
+            wait, launch = _first(lines, "griddepcontrol.wait"), _first(lines, "griddepcontrol.launch_dependents")
+            assert wait < min(i for i, ln in enumerate(lines) if "ld.global" in ln), kernel
+            assert (launch < wait) == (trigger == ops.PdlTrigger.START), (kernel, trigger)
 
 
 @needs_triton
 def test_pdl_is_requested_only_on_hopper_launches(monkeypatch):
     """QUANTLAB_PDL=1 adds the PDL launch options to GEMV launches where `pdl_on` holds (sm_90+,
-    compiled), never under the interpreter; the compiled decode step asks Inductor for PDL."""
+    compiled), never under the interpreter, with the trigger QUANTLAB_PDL_TRIGGER names (after
+    the wait by default); the compiled decode step asks Inductor for PDL."""
     from quantlab.kernels import triton_wna16
     from quantlab.runner.generate import compile_options
 
+    monkeypatch.delenv("QUANTLAB_PDL_TRIGGER", raising=False)
     assert compile_options() == {"triton.cudagraphs": True}
     monkeypatch.setenv("QUANTLAB_PDL", "1")
     assert compile_options() == {"triton.cudagraphs": True, "triton.enable_pdl": True}
@@ -535,11 +540,18 @@ def test_pdl_is_requested_only_on_hopper_launches(monkeypatch):
             return lambda *args, **kwargs: seen.update(kwargs)
 
     monkeypatch.setattr(triton_wna16, "_gemv_kernel", Launch())
-    monkeypatch.setattr(triton_wna16, "pdl_on", lambda t: True)
+    monkeypatch.setattr(ops, "pdl_on", lambda t: True)
     p = layout.pack_wna16(canonical(16, 128, 4, 64), torch.bfloat16).to(DEV)
-    triton_wna16.wna16_matmul(torch.randn(1, 128).bfloat16().to(DEV), p, impl="gemv",
-                              config=dict(BLOCK_N=64, SPLIT_K=2))
-    assert seen["PDL"] == 2 and seen["launch_pdl"] is True
+    x = torch.randn(1, 128).bfloat16().to(DEV)
+    for trigger, mode in ((None, ops.PdlTrigger.AFTER_WAIT), ("start", ops.PdlTrigger.START),
+                          ("wait", ops.PdlTrigger.AFTER_WAIT)):
+        if trigger:
+            monkeypatch.setenv("QUANTLAB_PDL_TRIGGER", trigger)
+        triton_wna16.wna16_matmul(x, p, impl="gemv", config=dict(BLOCK_N=64, SPLIT_K=2))
+        assert seen["PDL"] == mode and seen["launch_pdl"] is True
+    monkeypatch.setenv("QUANTLAB_PDL_TRIGGER", "end")
+    with pytest.raises(ValueError, match="QUANTLAB_PDL_TRIGGER"):
+        triton_wna16.wna16_matmul(x, p, impl="gemv", config=dict(BLOCK_N=64, SPLIT_K=2))
 
 
 def _attention_case(dtype, cache: str, seed: int = 0):

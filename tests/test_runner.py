@@ -222,6 +222,19 @@ def test_batch_of_unequal_prompts_equals_each_alone():
     assert len({tuple(r) for r in alone.tolist()}) == 3 and len(set(alone[0].tolist())) > 2  # real text, not a constant
 
 
+def test_decode_step_is_rebuilt_when_the_fused_path_toggles():
+    """A kept decode step holds one path (a captured graph records it): switching the fused
+    batch-1 step on or off must not reuse the other path's step."""
+    from quantlab.runner.generate import decode_step
+
+    runner = from_hf_model(lively())
+    runner.setup_caches(1, 32)
+    first = decode_step(runner, "eager")
+    assert decode_step(runner, "eager") is first
+    runner.fused_layers = True  # set_fused_decode's flag (on CPU it stays off: no Triton GEMV)
+    assert decode_step(runner, "eager") is not first
+
+
 def test_greedy_matches_transformers_generate():
     model = lively("qwen2")
     runner = from_hf_model(model)

@@ -138,8 +138,9 @@ class DecodeStep:
 
 
 def decode_step(model: Transformer, mode: DecodeMode = "auto") -> DecodeStep:
-    """The model's decode step for its current caches, kept so a captured graph is reused."""
-    key = (model.max_batch, model.max_seq_len, mode)
+    """The model's decode step for its current caches (and fused or not: the captured graph
+    holds one path), kept so a captured graph is reused."""
+    key = (model.max_batch, model.max_seq_len, mode, model.fused_layers)
     cached = getattr(model, "_decode_step", None)
     if cached is None or cached[0] != key:
         model._decode_step = (key, DecodeStep(model, mode))
