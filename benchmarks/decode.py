@@ -238,8 +238,6 @@ def measure(model, label: str, args, device: torch.device, vocab: int, hf: bool 
                 res["decode_mode"] += " + fused epilogues"
             if args.pdl:
                 res["decode_mode"] += " + PDL"
-            if args.swiglu_gemv:
-                res["decode_mode"] += " + SwiGLU GEMV"
             wbytes = weight_bytes(model)  # Linears incl. lm_head; the embedding table is not read whole
         row = {"scheme": label, "batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                **res, "weight_gb": wbytes / 1e9,
@@ -261,9 +259,9 @@ def gemms_read_only():
 
     real = triton_wna16.wna16_matmul
 
-    def read_only(x, p, impl="auto", config=None, out=None, glu=False):
+    def read_only(x, p, impl="auto", config=None, out=None):
         if x.shape[0] > triton_wna16.DECODE_MAX_M:
-            return real(x, p, impl, config, out, glu)
+            return real(x, p, impl, config, out)
         out = x.new_empty(x.shape[0], p.out_features) if out is None else out
         return read_packed(p, out)
 
@@ -444,9 +442,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--pdl", action="store_true",
                     help="programmatic dependent launch (QUANTLAB_PDL=1): the GEMV and attention kernels "
                          "and Inductor's decode-step kernels launch early on Hopper")
-    ap.add_argument("--swiglu-gemv", action="store_true",
-                    help="QUANTLAB_SWIGLU_GEMV=1: the W4A16 down projection's GEMV forms silu(gate)·up "
-                         "as it loads (no kernel between the MLP's GEMVs)")
     ap.add_argument("--fused-decode", action="store_true",
                     help="batch-1 steps of W4A16/W8A16 models as four epilogue GEMVs and the attention "
                          "kernel per layer (Transformer.set_fused_decode)")
@@ -471,8 +466,6 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_grad_enabled(False)
     if args.pdl:
         os.environ["QUANTLAB_PDL"] = "1"  # read at each launch and when the decode step compiles
-    if args.swiglu_gemv:
-        os.environ["QUANTLAB_SWIGLU_GEMV"] = "1"
     res = run(args, on_rows=lambda partial: save(partial, args.out))
     stem = save(res, args.out)
     print(markdown(res))

@@ -80,12 +80,6 @@ class PackedWNA16:
         return self.group_size is None or self.group_size % (256 // self.bits) == 0
 
     @property
-    def swiglu_ok(self) -> bool:
-        """Whether the GEMV can form SwiGLU's `silu(gate)·up` as it loads: no act-order gather
-        (it would need both halves)."""
-        return self.gemv_ok and self.perm is None
-
-    @property
     def group_constexpr(self) -> int:
         """Group size as the kernels see it: 0 = one group (per-channel)."""
         return 0 if self.group_size is None else self.group_size

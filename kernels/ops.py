@@ -134,16 +134,6 @@ def pdl_requested() -> bool:
     return os.environ.get("QUANTLAB_PDL", "0") == "1"
 
 
-def swiglu_gemv_requested() -> bool:
-    """QUANTLAB_SWIGLU_GEMV=1: a W4A16 SwiGLU MLP at one token row forms silu(gate)·up in the
-    down projection's GEMV (`wna16_swiglu_linear`) instead of a kernel between the two GEMVs.
-    Off until measured: it drops one kernel per layer but every GEMV thread recomputes the
-    SiLU of each activation it reads (the block's activations are replicated across the
-    threads that own its columns), about 64 exp + divide per 256 code FMAs, on a kernel that
-    was issue-bound before."""
-    return os.environ.get("QUANTLAB_SWIGLU_GEMV", "0") == "1"
-
-
 def pdl_on(t: torch.Tensor) -> bool:
     """Whether a kernel launch on `t`'s device uses PDL (requested, sm_90+, not interpreted)."""
     return pdl_requested() and t.is_cuda and not interpret_mode() and use_triton(t, (9, 0))
@@ -204,12 +194,12 @@ def _flat(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
 @torch.library.custom_op("quantlab::wna16_mm", mutates_args=())
 def _wna16_mm_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  perm: torch.Tensor | None, bits: int, group_size: int, in_features: int, out_features: int,
-                 impl: str, glu: bool) -> torch.Tensor:
-    return _wna16_direct(x, qweight, scales, zeros, perm, bits, group_size, in_features, out_features, impl, glu)
+                 impl: str) -> torch.Tensor:
+    return _wna16_direct(x, qweight, scales, zeros, perm, bits, group_size, in_features, out_features, impl)
 
 
 @_wna16_mm_op.register_fake
-def _(x, qweight, scales, zeros, perm, bits, group_size, in_features, out_features, impl, glu):
+def _(x, qweight, scales, zeros, perm, bits, group_size, in_features, out_features, impl):
     return x.new_empty(x.shape[0], out_features)
 
 
@@ -257,11 +247,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return fn(q, k, v, mask, pos, k_scale, v_scale)
 
 
-def _wna16_direct(x, qweight, scales, zeros, perm, bits, group_size, in_features, out_features, impl, glu):
+def _wna16_direct(x, qweight, scales, zeros, perm, bits, group_size, in_features, out_features, impl):
     from quantlab.kernels.triton_wna16 import wna16_matmul
 
     p = PackedWNA16(qweight, scales, zeros, bits, group_size or None, in_features, out_features, perm)
-    return wna16_matmul(x, p, impl=impl, glu=glu)
+    return wna16_matmul(x, p, impl=impl)
 
 
 def _scaled_direct(xq, sx, w, scale, zc, out_dtype):
@@ -288,7 +278,7 @@ def wna16_linear(x: torch.Tensor, p: PackedWNA16, bias: torch.Tensor | None = No
     x2, lead = _flat(x)
     if p.kernel_ok and use_triton(x2):
         y = _wna16_mm(x2, p.qweight, p.scales, p.zeros, p.perm, p.bits, p.group_constexpr,
-                      p.in_features, p.out_features, impl, False)
+                      p.in_features, p.out_features, impl)
     else:
         y = reference.wna16_mm(x2, p)
     if bias is not None:
@@ -367,23 +357,6 @@ def wna16_gemv_epilogue(x: torch.Tensor, p: PackedWNA16, kind: int, row: torch.T
     fn = _epilogue_op if torch.compiler.is_compiling() else _epilogue_direct
     return fn(x, p.qweight, p.scales, p.zeros, p.bits, p.group_constexpr, p.in_features, p.out_features, kind,
               row, weight, eps, cos, sin, pos, k_cache, v_cache, nq, nkv)
-
-
-def wna16_swiglu_ok(gate_up: torch.Tensor, p: PackedWNA16) -> bool:
-    """Whether `wna16_swiglu_linear` runs as one GEMV: requested (`swiglu_gemv_requested`), a
-    single token row (decode at batch 1), and a layout the GEMV takes without an act-order
-    gather. The caller has checked that the Triton kernels run on this device and dtype."""
-    return swiglu_gemv_requested() and gate_up.numel() == gate_up.shape[-1] and p.swiglu_ok
-
-
-def wna16_swiglu_linear(gate_up: torch.Tensor, p: PackedWNA16) -> torch.Tensor:
-    """A SwiGLU MLP's down projection, `(silu(gate)·up) @ Wᵀ` for `gate_up = [gate | up]`
-    (`[..., 2K]`, one row; see `wna16_swiglu_ok`): the GEMV forms the product as it loads its
-    activations, so no kernel writes it in between."""
-    x2, lead = _flat(gate_up)
-    y = _wna16_mm(x2, p.qweight, p.scales, p.zeros, None, p.bits, p.group_constexpr,
-                  p.in_features, p.out_features, "gemv", True)
-    return y.reshape(*lead, p.out_features)
 
 
 def w8a8_mm(xq: torch.Tensor, sx: torch.Tensor, p: PackedW8A8,

@@ -364,20 +364,14 @@ def _denormal_scale(pos, BITS: tl.constexpr):
 
 @triton.jit
 def _gemv_inputs(x_row, s_ptr, z_ptr, b, b1, k_in, s, z, offs_n, n_mask, N, K, NG,
-                 BITS: tl.constexpr, GROUP: tl.constexpr, GLU: tl.constexpr = False):
+                 BITS: tl.constexpr, GROUP: tl.constexpr):
     """Block b's activations (stored order, float32; zeros past K or when b ≥ b1) and, with
-    groups, its scales and zeros (K-pad blocks: any finite scale, x is 0 there). GLU: the row
-    holds `[gate | up]` (2K wide) and the activation is `silu(gate)·up` in float32 (as
-    Inductor's fused kernel computes it; eager torch rounds each op to the row's dtype)."""
+    groups, its scales and zeros (K-pad blocks: any finite scale, x is 0 there)."""
     BK: tl.constexpr = 256 // BITS
     kk = b * BK + k_in
     # A limit of 0 masks a block past the split (scalar & tensor masks upset the interpreter).
     inside = kk < tl.where(b < b1, K, 0)
-    xv = tl.load(x_row + kk, mask=inside, other=0.0)
-    xv = xv.to(tl.float32)
-    if GLU:
-        up = tl.load(x_row + K + kk, mask=inside, other=0.0).to(tl.float32)
-        xv = xv / (1.0 + tl.exp(-xv)) * up
+    xv = tl.load(x_row + kk, mask=inside, other=0.0).to(tl.float32)
     if GROUP > 0:
         g = tl.minimum(b * BK // GROUP, NG - 1)
         s = _col_params(s_ptr, g, offs_n, n_mask, N)
@@ -390,7 +384,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
                  M, N, K, NBLK, NG, stride_xm, stride_ym, magic32,
                  BITS: tl.constexpr, GROUP: tl.constexpr,
                  SPLIT_K, BLOCK_N: tl.constexpr, SPLIT_P2: tl.constexpr, PF: tl.constexpr = True,
-                 DENORM: tl.constexpr = False, PDL: tl.constexpr = 0, GLU: tl.constexpr = False,
+                 DENORM: tl.constexpr = False, PDL: tl.constexpr = 0,
                  STAGES: tl.constexpr = 1, EPI: tl.constexpr = 0, HEAD_D: tl.constexpr = 128,
                  e_row_ptr=None, e_w_ptr=None, e_y2_ptr=None, e_cos_ptr=None, e_sin_ptr=None,
                  e_pos_ptr=None, e_kc_ptr=None, e_vc_ptr=None, e_eps=0.0, e_nq=0, e_nkv=0,
@@ -407,10 +401,6 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
     comes after the wait. The next kernel may launch after the loop (PDL = 1), from the start
     (2) or after the wait (3; `ops.PdlTrigger`). Nothing in the workspace is touched before the wait, so overlapping
     GEMVs share it safely.
-
-    GLU: x is the gate/up projection's output `[gate | up]` and the GEMV multiplies
-    `silu(gate)·up` (`_gemv_inputs`): a SwiGLU MLP's down projection without the kernel that
-    would write that product between the two GEMVs.
 
     STAGES > 1: the words come through Triton's software pipeline instead (`tl.range` with
     num_stages: cp.async into STAGES − 1 shared-memory buffers ahead of the one in use), so
@@ -449,7 +439,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
         sumsq = epi.slice_sumsq(e_row_ptr, b0 * BK, tl.minimum(b1 * BK, K))
     if PF:
         x_next, s_next, z_next = _gemv_inputs(x_row, s_ptr, z_ptr, b0, b1, k_in, s, z, offs_n,
-                                              n_mask, N, K, NG, BITS, GROUP, GLU)
+                                              n_mask, N, K, NG, BITS, GROUP)
     for b in tl.range(b0, b1, num_stages=STAGES):
         if STAGES == 1:
             w = w_next
@@ -462,10 +452,10 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
         if PF:
             xv, s, z = x_next, s_next, z_next
             x_next, s_next, z_next = _gemv_inputs(x_row, s_ptr, z_ptr, b + 1, b1, k_in, s, z,
-                                                  offs_n, n_mask, N, K, NG, BITS, GROUP, GLU)
+                                                  offs_n, n_mask, N, K, NG, BITS, GROUP)
         else:
             xv, s, z = _gemv_inputs(x_row, s_ptr, z_ptr, b, b1, k_in, s, z, offs_n, n_mask, N,
-                                    K, NG, BITS, GROUP, GLU)
+                                    K, NG, BITS, GROUP)
         part = _fma_codes(w, z, xv, magic32, BITS, DENORM)
         if GROUP > 0:
             acc += part * tl.reshape(s, (BLOCK_N,))
@@ -765,7 +755,7 @@ def _tuner(kernel, configs, keys, prune):
 
 _FUSED_KEY = ["MB", "N", "K", "BITS", "GROUP"]
 TUNERS = {
-    "gemv": _tuner(_gemv_kernel, GEMV_CONFIGS, ["N", "K", "BITS", "GROUP", "GLU"], PRUNE["gemv"]),
+    "gemv": _tuner(_gemv_kernel, GEMV_CONFIGS, ["N", "K", "BITS", "GROUP"], PRUNE["gemv"]),
     **{f"m{b}": _tuner(_wna16_kernel, c, _FUSED_KEY, PRUNE["fused"]) for b, c in CONFIGS.items()},
     **{f"m{b}_join": _tuner(_wna16_kernel, c, _FUSED_KEY, PRUNE["fused"])
        for b, c in JOIN_CONFIGS.items()},
@@ -806,7 +796,7 @@ def _max_split(tuner: str, n: int, nblk: int, m: int, device: torch.device) -> i
 
 
 def _launch_gemv(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, config: dict | None,
-                 glu: bool = False, epilogue: dict | None = None) -> None:
+                 epilogue: dict | None = None) -> None:
     m, k = x.shape[0], p.in_features
     n = p.out_features
     nblk = p.qweight.shape[0] // 8
@@ -824,7 +814,7 @@ def _launch_gemv(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, config: dic
     ws, cnt = split_workspaces(x.device, m, n, max_split + (1 if epilogue else 0))
     args = (x, p.qweight, p.scales, p.zeros, out, ws, cnt, m, n, k, nblk, p.scales.shape[0],
             x.stride(0), out.stride(0), MAGIC32)
-    common = dict(BITS=p.bits, GROUP=p.group_constexpr, GLU=glu)
+    common = dict(BITS=p.bits, GROUP=p.group_constexpr)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"], m)  # noqa: E731
     kern = TUNERS["gemv"] if config is None else _gemv_kernel
     pdl = {} if (config or {}).get("PDL") else pdl_launch(x)
@@ -870,9 +860,9 @@ def _launch_fused(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, config: di
 
 
 def _launch(path: str, x: torch.Tensor, p: PackedWNA16, out: torch.Tensor,
-            config: dict | None, glu: bool = False) -> None:
+            config: dict | None) -> None:
     if path == "gemv":
-        _launch_gemv(x, p, out, config, glu)
+        _launch_gemv(x, p, out, config)
     elif path == "fused":
         _launch_fused(x, p, out, config)
     else:
@@ -890,8 +880,7 @@ def _auto_path(m: int, p: PackedWNA16) -> str:
 
 
 def wna16_matmul(x: torch.Tensor, p: PackedWNA16, impl: str = "auto",
-                 config: dict | None = None, out: torch.Tensor | None = None,
-                 glu: bool = False) -> torch.Tensor:
+                 config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """`x [M, K]` (bf16/fp16, unit column stride) times the packed weight → `[M, N]` in x's dtype.
 
     impl: "auto" (see `_auto_path`), "gemv" (alias "fma"; per-channel or groups of whole
@@ -900,18 +889,14 @@ def wna16_matmul(x: torch.Tensor, p: PackedWNA16, impl: str = "auto",
     impl "auto" it names the tensor-core kernel if it holds BLOCK_M, else the GEMV; the
     tensor-core kernel also takes JOIN (default: int8 under bf16 and the interpreter). Under
     TRITON_INTERPRET=1 a fixed small config is used. `out` (contiguous `[M, N]`) is written
-    in place. `glu`: x is `[M, 2K]`, a SwiGLU MLP's `[gate | up]`, and the product is
-    `(silu(gate)·up) @ Wᵀ`, the activation formed as the GEMV loads it (GEMV path only;
-    `PackedWNA16.swiglu_ok` says when)."""
+    in place."""
     if not p.kernel_ok:
         raise ValueError(f"group size {p.group_size} unsupported by the Triton kernels")
     if impl not in IMPLS:
         raise ValueError(f"impl {impl!r}: choose from {', '.join(IMPLS)}")
-    assert x.dim() == 2 and x.shape[1] == p.in_features * (2 if glu else 1) and x.stride(1) == 1
+    assert x.dim() == 2 and x.shape[1] == p.in_features and x.stride(1) == 1
     assert x.dtype in (torch.bfloat16, torch.float16), f"bf16/fp16 activations, got {x.dtype}"
     m = x.shape[0]
-    if glu and not (IMPLS[impl] in ("auto", "gemv") and m == 1 and p.swiglu_ok):
-        raise ValueError(f"glu: the GEMV at M = 1 without act-order only (M = {m}, impl {impl!r})")
     if p.perm is not None:
         x = x.index_select(1, p.perm)
     if out is None:
@@ -919,11 +904,11 @@ def wna16_matmul(x: torch.Tensor, p: PackedWNA16, impl: str = "auto",
     assert out.shape == (m, p.out_features) and out.is_contiguous() and out.dtype == x.dtype
     if m == 0:
         return out
-    path = "gemv" if glu else IMPLS[impl]
+    path = IMPLS[impl]
     if path == "auto":
         path = _auto_path(m, p) if config is None else "fused" if "BLOCK_M" in config else "gemv"
     if path == "gemv" and not p.gemv_ok:
         raise ValueError(f"the GEMV takes groups of {256 // p.bits} k or multiples, "
                          f"got {p.group_size}")
-    _launch(path, x, p, out, config, glu)
+    _launch(path, x, p, out, config)
     return out

@@ -216,28 +216,6 @@ def test_wna16_kernel_matches_reference(bits, group, m, impl, config, dtype):
     assert rel_err(y, reference.wna16_mm(x, p)) < TOL[dtype]
 
 
-@needs_triton
-@pytest.mark.parametrize("bits,group,dtype", [(4, 64, torch.bfloat16), (4, None, torch.float16),
-                                              (8, 32, torch.bfloat16)])
-def test_gemv_forms_swiglu_as_it_loads(bits, group, dtype):
-    """`glu=True`: the GEMV's activation is silu(gate)·up of the row `[gate | up]`, the same
-    product (to rounding) as torch's eager ops followed by the plain GEMV; K = 300 leaves a
-    partial last block in both halves."""
-    from quantlab.kernels.triton_wna16 import wna16_matmul
-
-    p = layout.pack_wna16(canonical(72, 300, bits, group, seed=5), dtype).to(DEV)
-    gate_up = (3 * torch.randn(1, 600)).to(dtype).to(DEV)
-    gate, up = gate_up.chunk(2, dim=-1)
-    unfused = wna16_matmul(torch.nn.functional.silu(gate) * up, p, impl="gemv")
-    out = torch.full((1, 72), float("nan"), dtype=dtype, device=DEV)
-    fused = wna16_matmul(gate_up, p, glu=True, out=out)
-    assert fused is out
-    assert rel_err(fused, unfused) < TOL[dtype], rel_err(fused, unfused)
-    assert rel_err(fused, reference.wna16_mm(torch.nn.functional.silu(gate) * up, p)) < TOL[dtype]
-    with pytest.raises(ValueError, match="glu"):
-        wna16_matmul(gate_up.expand(2, -1).contiguous(), p, glu=True)  # the GEMV is M = 1 only
-
-
 def _epilogue_case(n: int, k: int, seed: int):
     """A packed int4 g64 weight `[n, k]`, one bf16 token row and its float32 plain product."""
     p = layout.pack_wna16(canonical(n, k, 4, 64, seed=seed), torch.bfloat16).to(DEV)
@@ -355,33 +333,6 @@ def test_fused_decode_step_matches_the_unfused_one():
         assert rel_err(vf[:, :, 6], vu[:, :, 6]) < tol
 
 
-@needs_triton
-def test_runner_mlp_takes_the_swiglu_gemv(monkeypatch):
-    """With QUANTLAB_SWIGLU_GEMV=1 a W4A16 MLP at one token row runs its down projection as the
-    SwiGLU GEMV (one kernel call with glu) and gives the unfused MLP's output; two rows, or the
-    option off, keep the separate ops."""
-    from quantlab.kernels import triton_wna16
-    from quantlab.runner.linear import WNA16Linear, swiglu_reference
-    from quantlab.runner.model import MLP
-
-    def linear(n, k, seed):
-        return WNA16Linear(layout.pack_wna16(canonical(n, k, 4, 64, seed=seed), torch.bfloat16).to(DEV))
-
-    mlp = MLP(linear(256, 64, 1), linear(64, 128, 2))
-    calls = []
-    real = triton_wna16.wna16_matmul
-    monkeypatch.setattr(triton_wna16, "wna16_matmul",
-                        lambda x, p, *a, glu=False, **kw: calls.append(glu) or real(x, p, *a, glu=glu, **kw))
-    for on, rows in ((True, 1), (True, 2), (False, 1)):
-        monkeypatch.setenv("QUANTLAB_SWIGLU_GEMV", str(int(on)))
-        x = torch.randn(1, rows, 64).to(torch.bfloat16).to(DEV)
-        calls.clear()
-        y = mlp(x)
-        assert calls == ([False, True] if on and rows == 1 else [False, False])
-        ref = swiglu_reference(mlp.down_proj, mlp.gate_up(x))
-        assert y.shape == (1, rows, 64) and rel_err(y, ref) < TOL[torch.bfloat16]
-
-
 if ops.triton_installed():
     import triton
     import triton.language as tl
@@ -473,7 +424,7 @@ def test_gemv_pdl_waits_before_reading_activations(stages, epi, trigger):
     grid-dependency instruction is emitted. The RMS_SWIGLU epilogue (epi 2) reads its normed
     row after the wait too. With the trigger after the wait (3) the next kernel launches only
     once the wait is over."""
-    consts = dict(BITS=4, GROUP=128, BLOCK_N=128, SPLIT_P2=8, PF=True, DENORM=True, GLU=False,
+    consts = dict(BITS=4, GROUP=128, BLOCK_N=128, SPLIT_P2=8, PF=True, DENORM=True,
                   STAGES=stages, **{**GEMV_PLAIN, "EPI": epi})
     sig = dict(GEMV_SIG)
     if epi:
@@ -808,12 +759,9 @@ def test_custom_ops_only_under_torch_compile(monkeypatch):
     cache = tuple(t.to(DEV) for t in (k, v, mask, pos, ks, vs))
     q = q.to(DEV)
 
-    p_down = layout.pack_wna16(canonical(48, 96, 4, 64), torch.float16).to(DEV)
-
     def both(x):
         y = ops.wna16_linear(x, p4) + ops.w8a8_linear(x, p8)
-        glu = ops.wna16_swiglu_linear(x[:2].reshape(1, 192), p_down)
-        return y, ops.decode_attention(q * y[0, 0], *cache), glu
+        return y, ops.decode_attention(q * y[0, 0], *cache)
 
     eager = both(x)
     traced = torch.compile(both, backend="aot_eager", fullgraph=True)(x)

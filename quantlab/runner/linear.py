@@ -35,18 +35,6 @@ def _kernels_for(x: torch.Tensor, min_capability: tuple[int, int] = (8, 0)) -> b
     return x.dtype in KERNEL_DTYPES and ops.use_triton(x, min_capability)
 
 
-def swiglu_reference(down: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
-    """`down(silu(gate) · up)` for `gate_up = [gate | up]`, as separate ops."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return down(F.silu(gate) * up)
-
-
-def swiglu_down(down: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
-    """A SwiGLU MLP's down projection: the backend's fused form where it has one."""
-    fused = getattr(down, "swiglu", None)
-    return fused(gate_up) if fused is not None else swiglu_reference(down, gate_up)
-
-
 def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return y if bias is None else y + bias
 
@@ -78,14 +66,6 @@ class WNA16Linear(nn.Module):
         if self._dense is None or self._dense.dtype != x.dtype:
             self._dense = dequantize_wna16(self.packed).to(device=x.device, dtype=x.dtype)
         return F.linear(x, self._dense, self.bias)
-
-    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """This down projection of a SwiGLU MLP on `[gate | up]`: at one token row on the kernels
-        and with QUANTLAB_SWIGLU_GEMV=1 (`ops.swiglu_gemv_requested`), a single GEMV that forms
-        `silu(gate)·up` as it loads (no product kernel between)."""
-        if self.bias is None and _kernels_for(gate_up) and ops.wna16_swiglu_ok(gate_up, self.packed):
-            return ops.wna16_swiglu_linear(gate_up, self.packed)
-        return swiglu_reference(self, gate_up)
 
 
 class _ScaledLinear(nn.Module):

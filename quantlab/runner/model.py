@@ -26,7 +26,7 @@ from quantlab.kernels.layout import PackedWNA16
 from quantlab.kernels.ops import Epilogue
 from quantlab.quant.activations import compute_dtype
 from quantlab.runner.kv import KVCache, KVQuant
-from quantlab.runner.linear import WNA16Linear, swiglu_down
+from quantlab.runner.linear import WNA16Linear
 
 SUPPORTED = ("llama", "qwen2", "mistral")
 ATTENTION = ("torch", "triton")
@@ -180,8 +180,10 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.gate_up(x)
         if self.interleaved:
-            return self.down_proj(F.silu(y[..., 0::2]) * y[..., 1::2])
-        return swiglu_down(self.down_proj, y)
+            gate, up = y[..., 0::2], y[..., 1::2]
+        else:
+            gate, up = y.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
     def interleave_gate_up(self) -> None:
         """Reorder gate_up's output columns to gate₀, up₀, gate₁, up₁, … so that one GEMV tile
