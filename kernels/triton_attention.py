@@ -21,24 +21,11 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from quantlab.kernels.ops import interpret_mode, pdl_launch, sm_count
-from quantlab.kernels.triton_wna16 import _dot
+from quantlab.kernels.triton_wna16 import _dot, pdl_start, pdl_wait
 
 BLOCK_S = 32  # keys per inner iteration
-
-
-@triton.jit
-def _pdl_enter(PDL: tl.constexpr):
-    """Wait for the previous kernel (nothing these kernels read is theirs before it ends) and
-    let the next one launch where `ops.PdlTrigger` PDL says."""
-    if PDL == 2:
-        gdc_launch_dependents()
-    if PDL > 0:
-        gdc_wait()
-    if PDL == 3:
-        gdc_launch_dependents()
 
 
 @triton.jit
@@ -50,7 +37,8 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, mask_ptr, pos_ptr, m_pt
                     PDL: tl.constexpr = 0):
     """Keys [split·CHUNK, min((split + 1)·CHUNK, pos + 1)) of one (row, KV head). PDL
     (`ops.PdlTrigger`): everything read here waits for the previous kernel."""
-    _pdl_enter(PDL)
+    pdl_start(PDL)  # everything read here is the previous kernels' output: nothing before the wait
+    pdl_wait(PDL)
     bh = tl.program_id(0)
     split = tl.program_id(1)
     nsplit = tl.num_programs(1)
@@ -102,7 +90,8 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, NSPLIT, KVH, stride_ob, stri
     """One query head per program: every split's max, sum and values in one load each. (A
     loop over the splits per KV head made this launch as long as the partials' on an H100:
     one dependent round trip to memory per split, on 4 programs.)"""
-    _pdl_enter(PDL)
+    pdl_start(PDL)  # everything read here is the previous kernels' output: nothing before the wait
+    pdl_wait(PDL)
     bh = tl.program_id(0)
     g = tl.program_id(1)
     b = bh // KVH

@@ -380,6 +380,23 @@ def _gemv_inputs(x_row, s_ptr, z_ptr, b, b1, k_in, s, z, offs_n, n_mask, N, K, N
 
 
 @triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """A PDL kernel's first step: under `ops.PdlTrigger.START` (2) the next kernel may launch."""
+    if PDL == 2:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Wait for the previous kernel's writes (any PDL mode); under `ops.PdlTrigger.AFTER_WAIT`
+    (3) the next kernel may launch from here."""
+    if PDL > 0:
+        gdc_wait()
+    if PDL == 3:
+        gdc_launch_dependents()
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
                  M, N, K, NBLK, NG, stride_xm, stride_ym, magic32,
                  BITS: tl.constexpr, GROUP: tl.constexpr,
@@ -399,8 +416,8 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
     STAGES = 1 the first block's words, scales and zeros are loaded before waiting on the
     previous kernel, which wrote x — weights never depend on it; the staged loop's prologue
     comes after the wait. The next kernel may launch after the loop (PDL = 1), from the start
-    (2) or after the wait (3; `ops.PdlTrigger`). Nothing in the workspace is touched before the wait, so overlapping
-    GEMVs share it safely.
+    (2) or after the wait (3; `ops.PdlTrigger`). Nothing in the workspace is touched before
+    the wait, so overlapping GEMVs share it safely.
 
     STAGES > 1: the words come through Triton's software pipeline instead (`tl.range` with
     num_stages: cp.async into STAGES − 1 shared-memory buffers ahead of the one in use), so
@@ -408,12 +425,10 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
     one-block register prefetch of the words is then off.
 
     EPI (M = 1): what the program completing a column tile does with it instead of storing it
-    (`gemv_epilogue`); the `e_*` arguments are its inputs.
-"""
+    (`gemv_epilogue`); the `e_*` arguments are its inputs."""
     BK: tl.constexpr = 256 // BITS
     OUT: tl.constexpr = y_ptr.dtype.element_ty
-    if PDL == 2:
-        gdc_launch_dependents()
+    pdl_start(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m = tl.program_id(2)
@@ -431,10 +446,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
     w_ptrs = qw_ptr + (b0 * 8 + offs_j)[None, :] * N + offs_n[:, None]
     if STAGES == 1:
         w_next = tl.load(w_ptrs, mask=(offs_n < tl.where(b0 < b1, N, 0))[:, None], other=0)
-    if PDL > 0:
-        gdc_wait()
-    if PDL == 3:
-        gdc_launch_dependents()
+    pdl_wait(PDL)
     if EPI >= epi.RMS_SWIGLU:
         sumsq = epi.slice_sumsq(e_row_ptr, b0 * BK, tl.minimum(b1 * BK, K))
     if PF:
