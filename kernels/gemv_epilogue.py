@@ -17,6 +17,11 @@ that completes a column tile (the last split to arrive), on data already in regi
   static cache (qkv).
 
 The rounding differs from the unfused ops (one float32 pass instead of a bf16 result per op).
+
+And one prologue, for o_proj: its input is the attention output, which `combine_head` forms
+from the flash-decoding partials (`triton_attention.Partials`) for the heads of the program's
+own K range — the attention's second launch folded into the GEMV. Every column tile's program
+combines the same heads and writes the same bits into the input row before reading it back.
 """
 
 from __future__ import annotations
@@ -28,6 +33,36 @@ from quantlab.kernels.ops import Epilogue
 
 PLAIN, RESIDUAL, RMS_SWIGLU, RMS_ROPE_CACHE = (tl.constexpr(int(k)) for k in Epilogue)
 RMS_CHUNK = tl.constexpr(256)
+
+
+@triton.jit
+def combine_head(m_ptr, l_ptr, acc_ptr, out_ptr, bh, g, nsplit, BLOCK_G: tl.constexpr,
+                 D: tl.constexpr, NSPLIT_P2: tl.constexpr):
+    """Query head g of row·KV head `bh` from every split's max, sum and values (one load each),
+    to `out_ptr[0:D]`."""
+    splits = tl.arange(0, NSPLIT_P2)
+    offs_d = tl.arange(0, D)
+    valid = splits < nsplit
+    rows = (bh * nsplit + splits) * BLOCK_G + g
+    m = tl.load(m_ptr + rows, mask=valid, other=float("-inf"))
+    l_ = tl.load(l_ptr + rows, mask=valid, other=0.0)
+    acc = tl.load(acc_ptr + rows[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
+    m_all = tl.max(m, axis=0)
+    w = tl.exp(m - tl.where(m_all == float("-inf"), 0.0, m_all))
+    w = tl.where(valid, w, 0.0)
+    out = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l_, axis=0)
+    tl.store(out_ptr + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def combine_heads(m_ptr, l_ptr, acc_ptr, x_row, k0, k1, nsplit, group,
+                  BLOCK_G: tl.constexpr, D: tl.constexpr, NSPLIT_P2: tl.constexpr):
+    """o_proj's prologue: the attention output of every head overlapping `[k0, k1)` of the
+    (batch-1) input row `x_row`, then a barrier so the program's threads read it back."""
+    for hq in range(k0 // D, tl.cdiv(k1, D)):
+        combine_head(m_ptr, l_ptr, acc_ptr, x_row + hq * D, hq // group, hq % group, nsplit,
+                     BLOCK_G, D, NSPLIT_P2)
+    tl.debug_barrier()
 
 
 @triton.jit

@@ -232,6 +232,27 @@ def _decode_attention_direct(q, k, v, mask, pos, k_scale, v_scale):
     return kernel(q, k, v, mask, pos, k_scale, v_scale)
 
 
+@torch.library.custom_op("quantlab::attention_partials", mutates_args=())
+def _partials_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                 start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _partials_direct(q, k, v, pos, start)
+
+
+@_partials_op.register_fake
+def _(q, k, v, pos, start):
+    from quantlab.kernels.triton_attention import partials_shape
+
+    shape = partials_shape(q, k)
+    return (q.new_empty(shape[:3], dtype=torch.float32), q.new_empty(shape[:3], dtype=torch.float32),
+            q.new_empty(shape, dtype=torch.float32))
+
+
+def _partials_direct(q, k, v, pos, start):
+    from quantlab.kernels.triton_attention import attention_partials
+
+    return tuple(attention_partials(q, k, v, None, pos, start))
+
+
 def decode_attention_ok(q: torch.Tensor) -> bool:
     """Whether the Triton decode-attention kernel takes `q [B, H, D]` here (D a power of two)."""
     d = q.shape[-1]
@@ -245,6 +266,15 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     caller checks `decode_attention_ok` and keeps its torch path otherwise."""
     fn = _decode_attention_op if torch.compiler.is_compiling() else _decode_attention_direct
     return fn(q, k, v, mask, pos, k_scale, v_scale)
+
+
+def attention_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                       start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The decode attention's first launch over a compute-dtype cache, keys from `start[b]`
+    to the step's (`triton_attention.attention_partials`, no mask): `(m, l, acc)` for an
+    o_proj GEMV that combines them (`wna16_gemv_epilogue(..., partials=…)`)."""
+    fn = _partials_op if torch.compiler.is_compiling() else _partials_direct
+    return fn(q, k, v, pos, start)
 
 
 def _wna16_direct(x, qweight, scales, zeros, perm, bits, group_size, in_features, out_features, impl):
@@ -305,34 +335,38 @@ def _epilogue_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                  bits: int, group_size: int, in_features: int, out_features: int, kind: int,
                  row: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor | None,
                  sin: torch.Tensor | None, pos: torch.Tensor | None, k_cache: torch.Tensor | None,
-                 v_cache: torch.Tensor | None, nq: int, nkv: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 v_cache: torch.Tensor | None, nq: int, nkv: int, attn_m: torch.Tensor | None,
+                 attn_l: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     return _epilogue_direct(x, qweight, scales, zeros, bits, group_size, in_features, out_features, kind,
-                            row, weight, eps, cos, sin, pos, k_cache, v_cache, nq, nkv)
+                            row, weight, eps, cos, sin, pos, k_cache, v_cache, nq, nkv, attn_m, attn_l)
 
 
-def _epilogue_outputs(x: torch.Tensor, kind: int, out_features: int, weight: torch.Tensor | None,
+def _epilogue_outputs(row: torch.Tensor, kind: int, out_features: int, weight: torch.Tensor | None,
                       nq: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Empty outputs of an epilogue GEMV, always two (Inductor takes no list outputs from a
     mutating op): RESIDUAL `(y, y·w)` (the second empty without w), RMS_SWIGLU `(act, —)`
     (half the columns), RMS_ROPE_CACHE `(q, —)`."""
     if kind == Epilogue.RESIDUAL:
-        return x.new_empty(1, out_features), x.new_empty(1, out_features if weight is not None else 0)
-    return x.new_empty(1, out_features // 2 if kind == Epilogue.RMS_SWIGLU else nq), x.new_empty(0)
+        return row.new_empty(1, out_features), row.new_empty(1, out_features if weight is not None else 0)
+    return row.new_empty(1, out_features // 2 if kind == Epilogue.RMS_SWIGLU else nq), row.new_empty(0)
 
 
 @_epilogue_op.register_fake
 def _(x, qweight, scales, zeros, bits, group_size, in_features, out_features, kind, row, weight, eps, cos,
-      sin, pos, k_cache, v_cache, nq, nkv):
-    return _epilogue_outputs(x, kind, out_features, weight, nq)
+      sin, pos, k_cache, v_cache, nq, nkv, attn_m, attn_l):
+    return _epilogue_outputs(row, kind, out_features, weight, nq)
 
 
 def _epilogue_direct(x, qweight, scales, zeros, bits, group_size, in_features, out_features, kind, row,
-                     weight, eps, cos, sin, pos, k_cache, v_cache, nq, nkv):
+                     weight, eps, cos, sin, pos, k_cache, v_cache, nq, nkv, attn_m, attn_l):
     from quantlab.kernels.triton_wna16 import wna16_gemv_epilogue
 
     p = PackedWNA16(qweight, scales, zeros, bits, group_size or None, in_features, out_features)
-    outs = _epilogue_outputs(x, kind, out_features, weight, nq)
+    outs = _epilogue_outputs(row, kind, out_features, weight, nq)
     args: dict = dict(EPI=kind, e_row_ptr=row, e_w_ptr=weight, e_eps=eps)
+    if attn_m is not None:  # x: the partials' values; the GEMV forms its own input row
+        args.update(_combine_args(attn_m, attn_l, x, in_features))
+        x = row.new_empty(1, in_features)
     if kind == Epilogue.RESIDUAL:
         args["e_y2_ptr"] = outs[1] if weight is not None else None
     elif kind == Epilogue.RMS_ROPE_CACHE:
@@ -342,21 +376,31 @@ def _epilogue_direct(x, qweight, scales, zeros, bits, group_size, in_features, o
     return outs
 
 
-def wna16_gemv_epilogue(x: torch.Tensor, p: PackedWNA16, kind: int, row: torch.Tensor,
-                        weight: torch.Tensor | None = None, eps: float = 0.0,
+def _combine_args(m: torch.Tensor, l_: torch.Tensor, acc: torch.Tensor, in_features: int) -> dict:
+    """The GEMV's combine-prologue arguments for the partials of one row over `in_features /
+    D` query heads."""
+    kvh, nsplit, block_g, d = acc.shape
+    return dict(c_m_ptr=m, c_l_ptr=l_, c_acc_ptr=acc, c_nsplit=nsplit, c_group=in_features // d // kvh,
+                C_BLOCK_G=block_g, C_NSPLIT_P2=1 << (nsplit - 1).bit_length(), HEAD_D=d)
+
+
+def wna16_gemv_epilogue(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor], p: PackedWNA16,
+                        kind: int, row: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 0.0,
                         rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                         cache: tuple[torch.Tensor, torch.Tensor] | None = None,
                         nq: int = 0, nkv: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decode step's GEMV with an epilogue (`gemv_epilogue`) on one token row `x [1, K]`:
-    `row` is the residual (RESIDUAL) or the row whose 1/rms scales the product; `weight` the
-    next norm's weight (RESIDUAL) or the bias (RMS_ROPE_CACHE); `rope` the cos/sin tables and
-    the position, `cache` the KV caches of one row (`[KV heads, S, D]`). The caller checks
-    that the Triton kernels run here (`use_triton`) and that the GEMV takes `p`."""
+    """A decode step's GEMV with an epilogue (`gemv_epilogue`) on one token row `x [1, K]`, or
+    on the attention output that the GEMV combines from `x = attention_partials(...)`: `row`
+    is the residual (RESIDUAL) or the row whose 1/rms scales the product; `weight` the next
+    norm's weight (RESIDUAL) or the bias (RMS_ROPE_CACHE); `rope` the cos/sin tables and the
+    position, `cache` the KV caches of one row (`[KV heads, S, D]`). The caller checks that
+    the Triton kernels run here (`use_triton`) and that the GEMV takes `p`."""
     cos, sin, pos = rope if rope is not None else (None, None, None)
     k_cache, v_cache = cache if cache is not None else (None, None)
+    attn_m, attn_l, x = x if isinstance(x, tuple) else (None, None, x)
     fn = _epilogue_op if torch.compiler.is_compiling() else _epilogue_direct
     return fn(x, p.qweight, p.scales, p.zeros, p.bits, p.group_constexpr, p.in_features, p.out_features, kind,
-              row, weight, eps, cos, sin, pos, k_cache, v_cache, nq, nkv)
+              row, weight, eps, cos, sin, pos, k_cache, v_cache, nq, nkv, attn_m, attn_l)
 
 
 def w8a8_mm(xq: torch.Tensor, sx: torch.Tensor, p: PackedW8A8,

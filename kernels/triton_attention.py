@@ -10,18 +10,26 @@ batch-1 step still spreads over the GPU.
 
 Two launches: per (row, KV head, split) the running max, the sum of exponentials and the
 weighted values of the KV head's query heads (the GQA group, padded to 16 rows for the MMA);
-then their combination, one program per query head. Scores stay float32 (the torch path
-rounds q·k to the compute dtype first), so the two agree to that rounding, not bit for bit.
+then their combination, one program per query head (`gemv_epilogue.combine_head`, which the
+batch-1 decode step instead runs in the o_proj GEMV's prologue: one launch and one drain of
+the GPU fewer per layer). Scores stay float32 (the torch path rounds q·k to the compute dtype
+first), so the two agree to that rounding, not bit for bit.
+
+Which keys a row sees: a mask `[B, ≥ S]` (any padding pattern), or — the batch-1 step, where
+building the mask took five small kernels per step — every key from the row's first
+non-pad position `start[b]` up to the step's.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from quantlab.kernels.gemv_epilogue import combine_head
 from quantlab.kernels.ops import interpret_mode, pdl_launch, sm_count
 from quantlab.kernels.triton_wna16 import _dot, pdl_start, pdl_wait
 
@@ -29,13 +37,14 @@ BLOCK_S = 32  # keys per inner iteration
 
 
 @triton.jit
-def _partial_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, mask_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
+def _partial_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, mask_ptr, start_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
                     S, KVH, CHUNK, sm_scale, stride_qb, stride_qh, stride_kb, stride_kh, stride_ks,
                     stride_vb, stride_vh, stride_vs, stride_mb,
                     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
                     BLOCK_S: tl.constexpr, CODES: tl.constexpr, UPCAST: tl.constexpr,
                     PDL: tl.constexpr = 0):
-    """Keys [split·CHUNK, min((split + 1)·CHUNK, pos + 1)) of one (row, KV head). PDL
+    """Keys [split·CHUNK, min((split + 1)·CHUNK, pos + 1)) of one (row, KV head), those the
+    mask allows (without one: from `start[row]` on, and the step's own). PDL
     (`ops.PdlTrigger`): everything read here waits for the previous kernel."""
     pdl_start(PDL)  # everything read here is the previous kernels' output: nothing before the wait
     pdl_wait(PDL)
@@ -45,6 +54,8 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, mask_ptr, pos_ptr, m_pt
     b = bh // KVH
     h = bh % KVH
     end = tl.minimum(tl.load(pos_ptr) + 1, S)  # the step's position is the last one it may see
+    if mask_ptr is None:
+        first = tl.load(start_ptr + b)
     start = split * CHUNK
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, D)
@@ -67,7 +78,10 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, mask_ptr, pos_ptr, m_pt
         if CODES:  # as `runner.codes.decode`: code · scale, rounded to the compute dtype
             k = (k.to(tl.float32) * k_scale).to(q.dtype)
             v = (v.to(tl.float32) * v_scale).to(q.dtype)
-        seen = tl.load(mask_ptr + b * stride_mb + offs_s, mask=inside, other=0) != 0
+        if mask_ptr is None:
+            seen = ((offs_s >= first) & inside) | (offs_s == end - 1)
+        else:
+            seen = tl.load(mask_ptr + b * stride_mb + offs_s, mask=inside, other=0) != 0
         s = _dot(q, tl.trans(k), tl.zeros([BLOCK_G, BLOCK_S], tl.float32), UPCAST) * sm_scale
         s = tl.where(seen[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -87,34 +101,80 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, mask_ptr, pos_ptr, m_pt
 def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, NSPLIT, KVH, stride_ob, stride_oh,
                     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
                     NSPLIT_P2: tl.constexpr, PDL: tl.constexpr = 0):
-    """One query head per program: every split's max, sum and values in one load each. (A
-    loop over the splits per KV head made this launch as long as the partials' on an H100:
-    one dependent round trip to memory per split, on 4 programs.)"""
+    """One query head per program. (A loop over the splits per KV head made this launch as
+    long as the partials' on an H100: one dependent round trip to memory per split, on 4
+    programs.)"""
     pdl_start(PDL)  # everything read here is the previous kernels' output: nothing before the wait
     pdl_wait(PDL)
     bh = tl.program_id(0)
     g = tl.program_id(1)
     b = bh // KVH
     h = bh % KVH
-    splits = tl.arange(0, NSPLIT_P2)
-    offs_d = tl.arange(0, D)
-    valid = splits < NSPLIT
-    rows = (bh * NSPLIT + splits) * BLOCK_G + g
-    m = tl.load(m_ptr + rows, mask=valid, other=float("-inf"))
-    l_ = tl.load(l_ptr + rows, mask=valid, other=0.0)
-    acc = tl.load(acc_ptr + rows[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
-    m_all = tl.max(m, axis=0)
-    w = tl.exp(m - tl.where(m_all == float("-inf"), 0.0, m_all))
-    w = tl.where(valid, w, 0.0)
-    out = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l_, axis=0)
-    tl.store(out_ptr + b * stride_ob + (h * GROUP + g) * stride_oh + offs_d,
-             out.to(out_ptr.dtype.element_ty))
+    combine_head(m_ptr, l_ptr, acc_ptr, out_ptr + b * stride_ob + (h * GROUP + g) * stride_oh,
+                 bh, g, NSPLIT, BLOCK_G, D, NSPLIT_P2)
 
 
 def _chunk(length: int, programs: int, device: torch.device) -> int:
     """Keys per split: about two programs per SM over the whole grid, whole inner blocks."""
     want = max(1, 2 * sm_count(device, 4) // max(programs, 1))
     return BLOCK_S * max(1, math.ceil(math.ceil(length / want) / BLOCK_S))
+
+
+class Partials(NamedTuple):
+    """The first launch's output, per (row, KV head, split, query head of the group padded to
+    BLOCK_G): running max `m`, sum of exponentials `l` (`[B·KVH, NSPLIT, BLOCK_G]`) and the
+    weighted values `acc` (`[B·KVH, NSPLIT, BLOCK_G, D]`), float32."""
+
+    m: torch.Tensor
+    l: torch.Tensor  # noqa: E741 — the flash-attention name
+    acc: torch.Tensor
+
+
+def partials_shape(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int]:
+    """`(B·KVH, NSPLIT, BLOCK_G, D)` of the partials of `q [B, H, D]` over the cache `k`."""
+    b, h, d = q.shape
+    kvh, s = k.shape[1], k.shape[2]
+    return b * kvh, triton.cdiv(s, _chunk(s, b * kvh, q.device)), max(16, triton.next_power_of_2(h // kvh)), d
+
+
+def attention_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                       pos: torch.Tensor, start: torch.Tensor | None = None,
+                       k_scale: torch.Tensor | None = None,
+                       v_scale: torch.Tensor | None = None) -> Partials:
+    """The first launch of `decode_attention`; without `mask`, each row sees the keys from
+    `start[b]` (int64 `[B]` on the device: its leading pad positions) to the step's."""
+    b, h, d = q.shape
+    kvh, s = k.shape[1], k.shape[2]
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and q.stride(-1) == 1 and d == triton.next_power_of_2(d)
+    assert (mask is None) != (start is None), "a mask or the rows' first positions"
+    bkv, nsplit, block_g, _ = partials_shape(q, k)
+    m = torch.empty(bkv, nsplit, block_g, dtype=torch.float32, device=q.device)
+    parts = Partials(m, torch.empty_like(m), torch.empty(*m.shape, d, dtype=torch.float32, device=q.device))
+    codes = k_scale is not None
+    scales = (k_scale, v_scale) if codes else (m, m)  # unread without codes
+    mask8 = mask.view(torch.int8) if mask is not None and mask.dtype == torch.bool else mask
+    _partial_kernel[(bkv, nsplit)](
+        q, k, v, *scales, mask8, start, pos, *parts, s, kvh, _chunk(s, bkv, q.device), 1.0 / math.sqrt(d),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        mask8.stride(0) if mask8 is not None else 0, GROUP=h // kvh, BLOCK_G=block_g, D=d, BLOCK_S=BLOCK_S,
+        CODES=codes, UPCAST=interpret_mode() or q.dtype == torch.float32, **_launch_options(q))
+    return parts
+
+
+def _launch_options(q: torch.Tensor) -> dict:
+    return dict(num_warps=1 if interpret_mode() else 4, **pdl_launch(q))
+
+
+def combine(parts: Partials, q: torch.Tensor) -> torch.Tensor:
+    """The second launch: the attention output `[B, H, D]` in q's dtype from the partials."""
+    b, h, d = q.shape
+    bkv, nsplit, block_g, _ = parts.acc.shape
+    kvh = bkv // b
+    out = torch.empty_like(q)
+    _combine_kernel[(bkv, h // kvh)](*parts, out, nsplit, kvh, out.stride(0), out.stride(1),
+                                     GROUP=h // kvh, BLOCK_G=block_g, D=d,
+                                     NSPLIT_P2=triton.next_power_of_2(nsplit), **_launch_options(q))
+    return out
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -125,28 +185,4 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     `mask [B, ≥ S]` true and positions ≤ `pos[0]` (int64, on the device). → `[B, H, D]` in q's
     dtype (bf16 / fp16 on a GPU; float32 runs under the interpreter). D a power of two; query
     head i reads KV head i // (H / KVH)."""
-    b, h, d = q.shape
-    kvh, s = k.shape[1], k.shape[2]
-    group = h // kvh
-    block_g = max(16, triton.next_power_of_2(group))
-    codes = k_scale is not None
-    assert k.stride(-1) == 1 and v.stride(-1) == 1 and q.stride(-1) == 1 and d == triton.next_power_of_2(d)
-    chunk = _chunk(s, b * kvh, q.device)
-    launch = dict(num_warps=1 if interpret_mode() else 4,
-                  **pdl_launch(q))
-    nsplit = triton.cdiv(s, chunk)
-    m = torch.empty(b * kvh * nsplit * block_g, dtype=torch.float32, device=q.device)
-    l_ = torch.empty_like(m)
-    acc = torch.empty(m.numel() * d, dtype=torch.float32, device=q.device)
-    mask8 = mask.view(torch.int8) if mask.dtype == torch.bool else mask
-    scales = (k_scale, v_scale) if codes else (m, m)  # unread without codes
-    _partial_kernel[(b * kvh, nsplit)](
-        q, k, v, *scales, mask8, pos, m, l_, acc, s, kvh, chunk, 1.0 / math.sqrt(d),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        mask8.stride(0), GROUP=group, BLOCK_G=block_g, D=d, BLOCK_S=BLOCK_S, CODES=codes,
-        UPCAST=interpret_mode() or q.dtype == torch.float32, **launch)
-    out = torch.empty_like(q)
-    _combine_kernel[(b * kvh, group)](m, l_, acc, out, nsplit, kvh, out.stride(0), out.stride(1),
-                                      GROUP=group, BLOCK_G=block_g, D=d,
-                                      NSPLIT_P2=triton.next_power_of_2(nsplit), **launch)
-    return out
+    return combine(attention_partials(q, k, v, mask, pos, None, k_scale, v_scale), q)

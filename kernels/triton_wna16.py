@@ -405,7 +405,8 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
                  STAGES: tl.constexpr = 1, EPI: tl.constexpr = 0, HEAD_D: tl.constexpr = 128,
                  e_row_ptr=None, e_w_ptr=None, e_y2_ptr=None, e_cos_ptr=None, e_sin_ptr=None,
                  e_pos_ptr=None, e_kc_ptr=None, e_vc_ptr=None, e_eps=0.0, e_nq=0, e_nkv=0,
-                 e_cache_s=0):
+                 e_cache_s=0, c_m_ptr=None, c_l_ptr=None, c_acc_ptr=None, c_nsplit=1, c_group=1,
+                 C_BLOCK_G: tl.constexpr = 16, C_NSPLIT_P2: tl.constexpr = 1):
     """See the module docstring; one token row per grid row (program_id 2). A `[BLOCK_N, 8]`
     block with BLOCK_N = 128·num_warps gives each thread all 8 words of its 4 columns. GROUP:
     0 (per-channel) or a multiple of the block (one group per block). The next block's words
@@ -425,7 +426,9 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
     one-block register prefetch of the words is then off.
 
     EPI (M = 1): what the program completing a column tile does with it instead of storing it
-    (`gemv_epilogue`); the `e_*` arguments are its inputs."""
+    (`gemv_epilogue`); the `e_*` arguments are its inputs. With `c_acc_ptr` (M = 1) the
+    program first writes its K range of x itself, the attention output combined from the
+    flash-decoding partials `c_*` (`gemv_epilogue.combine_heads`; heads of HEAD_D)."""
     BK: tl.constexpr = 256 // BITS
     OUT: tl.constexpr = y_ptr.dtype.element_ty
     pdl_start(PDL)
@@ -447,6 +450,9 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
     if STAGES == 1:
         w_next = tl.load(w_ptrs, mask=(offs_n < tl.where(b0 < b1, N, 0))[:, None], other=0)
     pdl_wait(PDL)
+    if c_acc_ptr is not None:
+        epi.combine_heads(c_m_ptr, c_l_ptr, c_acc_ptr, x_row, b0 * BK, tl.minimum(b1 * BK, K),
+                          c_nsplit, c_group, C_BLOCK_G, HEAD_D, C_NSPLIT_P2)
     if EPI >= epi.RMS_SWIGLU:
         sumsq = epi.slice_sumsq(e_row_ptr, b0 * BK, tl.minimum(b1 * BK, K))
     if PF:

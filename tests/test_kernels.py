@@ -409,11 +409,13 @@ GEMV_SIG = {**{n: "*bf16" for n in ("x_ptr", "s_ptr", "z_ptr", "y_ptr")}, "qw_pt
                                                       "magic32", "SPLIT_K")}}
 # The epilogue inputs at their defaults (no epilogue), as constexprs.
 GEMV_PLAIN = {"EPI": 0, "HEAD_D": 128, "e_eps": 0.0, "e_nq": 0, "e_nkv": 0, "e_cache_s": 0,
-              **{f"e_{n}_ptr": None for n in ("row", "w", "y2", "cos", "sin", "pos", "kc", "vc")}}
+              **{f"e_{n}_ptr": None for n in ("row", "w", "y2", "cos", "sin", "pos", "kc", "vc")},
+              **{f"c_{n}_ptr": None for n in ("m", "l", "acc")}, "c_nsplit": 1, "c_group": 1, "C_BLOCK_G": 16,
+              "C_NSPLIT_P2": 1}
 
 
 @needs_triton
-@pytest.mark.parametrize("stages,epi,trigger", [(1, 0, 2), (3, 0, 2), (3, 2, 2), (1, 2, 3)])
+@pytest.mark.parametrize("stages,epi,trigger", [(1, 0, 2), (3, 0, 2), (3, 2, 2), (1, 2, 3), (1, 1, 3)])
 def test_gemv_pdl_waits_before_reading_activations(stages, epi, trigger):
     """With PDL (benchmarks/pdl_chain.py, QUANTLAB_PDL=1) the GEMV may start while the kernel
     that writes its activations is still running: compiled for sm_90 (on the CPU, no GPU
@@ -423,13 +425,19 @@ def test_gemv_pdl_waits_before_reading_activations(stages, epi, trigger):
     copies them into shared memory with cp.async (Triton's software pipeline). Without PDL no
     grid-dependency instruction is emitted. The RMS_SWIGLU epilogue (epi 2) reads its normed
     row after the wait too. With the trigger after the wait (3) the next kernel launches only
-    once the wait is over."""
+    once the wait is over. o_proj's RESIDUAL GEMV (epi 1) combines the attention's partials
+    into its input after the wait."""
     consts = dict(BITS=4, GROUP=128, BLOCK_N=128, SPLIT_P2=8, PF=True, DENORM=True,
                   STAGES=stages, **{**GEMV_PLAIN, "EPI": epi})
     sig = dict(GEMV_SIG)
     if epi:
         del consts["e_row_ptr"], consts["e_eps"]
         sig.update(e_row_ptr="*bf16", e_eps="fp32")
+    if epi == 1:
+        for n in ("c_m_ptr", "c_l_ptr", "c_acc_ptr", "c_nsplit", "c_group"):
+            del consts[n]
+        sig.update(c_m_ptr="*fp32", c_l_ptr="*fp32", c_acc_ptr="*fp32", c_nsplit="i32", c_group="i32")
+        consts.update(C_BLOCK_G=16, C_NSPLIT_P2=32)
     mod = "quantlab.kernels.triton_wna16"
     plain = sm90_ptx(mod, "_gemv_kernel", sig, {**consts, "PDL": 0}, num_warps=1, num_stages=1)
     assert not any("griddepcontrol" in ln for ln in plain)
@@ -456,7 +464,7 @@ def test_attention_pdl_waits_before_every_load():
     mod = "quantlab.kernels.triton_attention"
     partial_sig = {**{n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr")},
                    **{n: "*fp32" for n in ("ks_ptr", "vs_ptr", "m_ptr", "l_ptr", "acc_ptr")},
-                   "mask_ptr": "*i8", "pos_ptr": "*i64", "sm_scale": "fp32",
+                   "mask_ptr": "*i8", "start_ptr": "*i64", "pos_ptr": "*i64", "sm_scale": "fp32",
                    **{n: "i32" for n in ("S", "KVH", "CHUNK", "stride_qb", "stride_qh", "stride_kb", "stride_kh",
                                          "stride_ks", "stride_vb", "stride_vh", "stride_vs", "stride_mb")}}
     combine_sig = {**{n: "*fp32" for n in ("m_ptr", "l_ptr", "acc_ptr")}, "out_ptr": "*bf16",
@@ -566,6 +574,46 @@ def test_decode_attention_never_reads_past_the_step():
     assert torch.isfinite(out).all()
     dense = decode_attention(q.to(DEV), k.to(DEV), v.to(DEV), mask.to(DEV), pos.to(DEV)).cpu()
     assert rel_err(dense, ref) < 1e-5
+
+
+@needs_triton
+def test_attention_from_the_rows_first_positions_equals_the_masked_one():
+    """Without a mask each row sees the keys from its first non-pad position (`start`) to the
+    step's: the same keys as the left-padded mask, so the same bits."""
+    from quantlab.kernels.triton_attention import attention_partials, combine, decode_attention
+
+    (q, k, v, mask, pos, *_), ref, _ = _attention_case(torch.float32, "float", seed=5)
+    q, k, v, mask, pos = (t.to(DEV) for t in (q, k, v, mask, pos))
+    masked = decode_attention(q, k, v, mask, pos)
+    from_start = combine(attention_partials(q, k, v, None, pos, torch.tensor([0, 5], device=DEV)), q)
+    assert torch.equal(from_start, masked) and rel_err(masked.cpu(), ref) < 1e-5
+
+
+@needs_triton
+def test_gemv_combines_the_attention_partials_in_its_prologue():
+    """o_proj's GEMV forming its input from the attention's partials (`combine_heads`) gives
+    the bits of the GEMV on the two-launch attention's output, whatever K range each split
+    covers (split 3 of 4 heads of 64: ranges that end inside a head)."""
+    from quantlab.kernels import gemv_epilogue as epi
+    from quantlab.kernels.triton_attention import attention_partials, combine
+    from quantlab.kernels.triton_wna16 import wna16_gemv_epilogue
+
+    g = torch.Generator().manual_seed(4)
+    h, kvh, s, d, n = 4, 2, 40, 64, 96
+    q = torch.randn(1, h, d, generator=g).bfloat16().to(DEV)
+    k, v = (torch.randn(1, kvh, s, d, generator=g).bfloat16().to(DEV) for _ in range(2))
+    parts = attention_partials(q, k, v, None, torch.tensor([33], device=DEV), torch.zeros(1, dtype=torch.long, device=DEV))
+    y = combine(parts, q).view(1, h * d)
+    p = layout.pack_wna16(canonical(n, h * d, 4, 64, seed=2), torch.bfloat16).to(DEV)
+    res = torch.randn(1, n, generator=g).bfloat16().to(DEV)
+    want = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+    config = dict(BLOCK_N=64, SPLIT_K=3, PF=True, DENORM=True)
+    wna16_gemv_epilogue(y, p, want, dict(EPI=epi.RESIDUAL, e_row_ptr=res), config)
+    row = torch.full((1, h * d), float("nan"), dtype=torch.bfloat16, device=DEV)
+    got = torch.full_like(want, float("nan"))
+    wna16_gemv_epilogue(row, p, got, dict(EPI=epi.RESIDUAL, e_row_ptr=res, **ops._combine_args(*parts, h * d)),
+                        config)
+    assert torch.equal(row, y) and torch.equal(got, want)
 
 
 @needs_triton

@@ -209,20 +209,20 @@ class Block(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def fused_step(self, x: torch.Tensor, xw: torch.Tensor, next_norm: torch.Tensor | None,
-                   rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
+                   rope: tuple[torch.Tensor, torch.Tensor], start: torch.Tensor,
                    input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token through the layer as four epilogue GEMVs and the attention kernel
-        (`Transformer.set_fused_decode`): `x [1, hidden]` the residual stream and `xw` its
-        product with this layer's input-norm weight → the same pair for the next layer (the
-        second empty after the last)."""
+        """One token through the layer as four epilogue GEMVs and the attention's first launch
+        (o_proj's GEMV combines its partials; `Transformer.set_fused_decode`): `x [1, hidden]`
+        the residual stream and `xw` its product with this layer's input-norm weight → the same
+        pair for the next layer (the second empty after the last). Keys from `start[0]` on."""
         attn, mlp, norm = self.self_attn, self.mlp, self.post_attention_layernorm
         d, heads, kv_heads = attn.head_dim, attn.heads, attn.kv_heads
         cache = attn.kv_cache
         q, _ = ops.wna16_gemv_epilogue(xw, attn.qkv.packed, Epilogue.RMS_ROPE_CACHE, x, attn.qkv.bias,
                                      self.input_layernorm.eps, (*rope, input_pos), (cache.k, cache.v),
                                      heads * d, kv_heads * d)
-        y = ops.decode_attention(q.view(1, heads, d), cache.k, cache.v, mask, input_pos)
-        h, hw = ops.wna16_gemv_epilogue(y.view(1, heads * d), attn.o_proj.packed, Epilogue.RESIDUAL, x, norm.weight)
+        parts = ops.attention_partials(q.view(1, heads, d), cache.k, cache.v, input_pos, start)
+        h, hw = ops.wna16_gemv_epilogue(parts, attn.o_proj.packed, Epilogue.RESIDUAL, x, norm.weight)
         act, _ = ops.wna16_gemv_epilogue(hw, mlp.gate_up.packed, Epilogue.RMS_SWIGLU, h, eps=norm.eps)
         return ops.wna16_gemv_epilogue(act, mlp.down_proj.packed, Epilogue.RESIDUAL, h, next_norm)
 
@@ -307,9 +307,9 @@ class Transformer(nn.Module):
         at cache positions `input_pos [L]`; K/V of these tokens are written to the caches."""
         if self.max_batch == 0:
             raise RuntimeError("call setup_caches(batch, max_seq_len) before the forward pass")
-        mask = self._mask(input_pos, attend_len or self.max_seq_len)
         if self.fused_layers and idx.shape == (1, 1):
-            return self._fused_decode_step(idx, input_pos, mask[:, 0, 0])
+            return self._fused_decode_step(idx, input_pos)
+        mask = self._mask(input_pos, attend_len or self.max_seq_len)
         x = self.model.embed_tokens(idx)
         cos, sin = self._rope(input_pos, x.dtype)
         for layer in self.model.layers:
@@ -317,14 +317,15 @@ class Transformer(nn.Module):
         x = self.model.norm(x[:, -1:] if last_only else x)
         return self.lm_head(x)
 
-    def _fused_decode_step(self, idx: torch.Tensor, input_pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Logits `[1, 1, vocab]` of one token at batch 1 (no padding) through `Block.fused_step`."""
+    def _fused_decode_step(self, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        """Logits `[1, 1, vocab]` of one token at batch 1 through `Block.fused_step`: no mask
+        to build, the attention sees the keys from the row's first non-pad position on."""
         layers = self.model.layers
         x = self.model.embed_tokens(idx).view(1, -1)
         xw = x * layers[0].input_layernorm.weight
         for i, layer in enumerate(layers):
             next_norm = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else None
-            x, xw = layer.fused_step(x, xw, next_norm, (self.rope_cos, self.rope_sin), mask, input_pos)
+            x, xw = layer.fused_step(x, xw, next_norm, (self.rope_cos, self.rope_sin), self.pad, input_pos)
         return self.lm_head(self.model.norm(x.view(1, 1, -1)))
 
     def _rope(self, input_pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
