@@ -443,8 +443,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="programmatic dependent launch (QUANTLAB_PDL=1): the GEMV and attention kernels "
                          "and Inductor's decode-step kernels launch early on Hopper")
     ap.add_argument("--fused-decode", action="store_true",
-                    help="batch-1 steps of W4A16/W8A16 models as four epilogue GEMVs and the attention "
-                         "kernel per layer (Transformer.set_fused_decode)")
+                    help="batch-1 steps of W4A16/W8A16 models as four epilogue GEMVs and the attention's "
+                         "partials per layer (Transformer.set_fused_decode)")
     ap.add_argument("--profile", action="store_true",
                     help="also list each runner scheme's kernels per decode step (torch.profiler)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")

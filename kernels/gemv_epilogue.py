@@ -1,5 +1,6 @@
 """What the decode-step GEMV does with its finished output tile (`triton_wna16._gemv_kernel`,
-EPI ≠ 0), so that a batch-1 decoder layer is four GEMVs and the attention, nothing between.
+EPI ≠ 0), so that a batch-1 decoder layer is four GEMVs and the attention's partials, nothing
+between.
 
 Without them a W4A16 layer on an H200 ran about 13 kernels, and the nine that are not GEMVs
 (the residual adds with the RMSNorms, RoPE, the two cache writes, SiLU·up, …) each cost a

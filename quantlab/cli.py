@@ -166,7 +166,7 @@ def generate_cmd(
     attention: Annotated[str, typer.Option(
         help="decode attention: torch | triton (flash-decoding kernel over the cache as stored; on a GPU)")] = "torch",
     fused_decode: Annotated[bool, typer.Option(
-        help="decode each layer as four GEMVs with fused epilogues and the attention kernel "
+        help="decode each layer as four GEMVs with fused epilogues and the attention's partials "
              "(W4A16/W8A16 models, batch 1, on a GPU)")] = False,
 ) -> None:
     """Generate text with quantlab's runner from a run's quantized model, streaming to stdout."""

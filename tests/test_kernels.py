@@ -291,12 +291,9 @@ def test_gemv_epilogue_ropes_q_and_k_into_the_cache():
     assert not kc[0, :, others].any() and not vc[0, :, others].any()
 
 
-@needs_triton
-def test_fused_decode_step_matches_the_unfused_one():
-    """`set_fused_decode`: a batch-1 decode step of a W4A16 qwen2 (q/k/v biases, non-unit norm
-    weights) as four epilogue GEMVs and the attention kernel per layer gives the unfused step's
-    logits and writes the same K/V into the cache; its interleaved gate_up leaves the prefill
-    (the unfused path) as it was."""
+def _w4a16_qwen2():
+    """A tiny W4A16 qwen2 runner (q/k/v biases, non-unit norm weights), a 6-token prompt and
+    the next token."""
     from conftest import tiny_model
     from quantlab.runner.load import build_runner
 
@@ -309,7 +306,16 @@ def test_fused_decode_step_matches_the_unfused_one():
     quantized = {name[:-len(".weight")]: quantize_weight(t, WeightScheme(bits=4, group_size=64))
                  for name, t in state.items() if name.endswith("_proj.weight")}
     model = build_runner(hf.config, state, quantized, {}, {}, DEV, torch.bfloat16)
-    prompt, nxt = torch.randint(0, 512, (1, 6), generator=g).to(DEV), torch.tensor([[7]], device=DEV)
+    return model, torch.randint(0, 512, (1, 6), generator=g).to(DEV), torch.tensor([[7]], device=DEV)
+
+
+@needs_triton
+def test_fused_decode_step_matches_the_unfused_one():
+    """`set_fused_decode`: a batch-1 decode step of a W4A16 qwen2 (q/k/v biases, non-unit norm
+    weights) as four epilogue GEMVs and the attention kernel per layer gives the unfused step's
+    logits and writes the same K/V into the cache; its interleaved gate_up leaves the prefill
+    (the unfused path) as it was."""
+    model, prompt, nxt = _w4a16_qwen2()
 
     def run(fused: bool):
         model.setup_caches(1, 12)
@@ -331,6 +337,21 @@ def test_fused_decode_step_matches_the_unfused_one():
     for (ku, vu), (kf, vf) in zip(caches_u, caches_f):
         assert torch.equal(kf[:, :, :6], ku[:, :, :6]) and rel_err(kf[:, :, 6], ku[:, :, 6]) < tol
         assert rel_err(vf[:, :, 6], vu[:, :, 6]) < tol
+
+
+@needs_triton
+def test_fused_decode_step_traces_as_one_graph():
+    """Under torch.compile the fused step is one graph of custom ops (the epilogue GEMVs, whose
+    cache writes are declared, and the attention's partials, whose shapes the fake op gives)
+    with the eager step's logits."""
+    model, prompt, nxt = _w4a16_qwen2()
+    model.setup_caches(1, 12)
+    model(prompt, torch.arange(6, device=DEV))
+    assert model.set_fused_decode(True)
+    pos = torch.tensor([6], device=DEV)
+    eager = model(nxt, pos)
+    traced = torch.compile(lambda: model(nxt, pos), backend="aot_eager", fullgraph=True)()
+    assert torch.equal(traced, eager)
 
 
 if ops.triton_installed():

@@ -270,7 +270,7 @@ class Transformer(nn.Module):
             layer.self_attn.fused_decode = kind == "triton"
 
     def set_fused_decode(self, on: bool) -> bool:
-        """Batch-1 decode steps as four epilogue GEMVs and the attention kernel per layer
+        """Batch-1 decode steps as four epilogue GEMVs and the attention's partials per layer
         (`Block.fused_step`, kernels/gemv_epilogue.py) where every layer takes it and the
         Triton kernels run here; returns whether it is on. Interleaves gate_up's columns."""
         layers = self.model.layers
