@@ -164,10 +164,12 @@ def generate_cmd(
     decode: Annotated[str, typer.Option(
         help="decode steps: auto (compile on a GPU, eager on the CPU) | eager | graphs | compile")] = "auto",
     attention: Annotated[str, typer.Option(
-        help="decode attention: torch | triton (flash-decoding kernel over the cache as stored; on a GPU)")] = "torch",
-    fused_decode: Annotated[bool, typer.Option(
+        help="decode attention: triton (flash-decoding kernel over the cache as stored, where Triton "
+             "runs; else the torch path) | torch")] = "triton",
+    fused_decode: Annotated[Optional[bool], typer.Option(
+        "--fused-decode/--no-fused-decode",
         help="decode each layer as four GEMVs with fused epilogues and the attention's partials "
-             "(W4A16/W8A16 models, batch 1, on a GPU)")] = False,
+             "(W4A16/W8A16 models, batch 1, on a GPU); default: wherever it applies")] = None,
 ) -> None:
     """Generate text with quantlab's runner from a run's quantized model, streaming to stdout."""
     from quantlab.runner.stream import run_generate

@@ -278,6 +278,11 @@ def test_cli_generate_streams_text(tmp_path, tokenizer, tiny_model_dir):
                               "--device", "cpu"])
     assert result.exit_code == 0, result.output
     assert result.stdout.strip() and "tokens in" in result.stderr
+    assert "--fused-decode" not in result.stderr  # the default takes the fused step only where it applies
+    asked = cli.invoke(app, ["generate", str(tmp_path), "--prompt", "The history of", "--max-new-tokens", "6",
+                             "--device", "cpu", "--fused-decode", "--attention", "torch"])
+    assert asked.exit_code == 0 and asked.stdout == result.stdout  # on a CPU: unfused, and said so
+    assert "--fused-decode: this model or device does not take it" in asked.stderr
     sampled = cli.invoke(app, ["generate", str(tmp_path), "--prompt", "The", "--temperature", "1", "--top-k", "5",
                                "--seed", "4", "--max-new-tokens", "4", "--device", "cpu"])
     assert sampled.exit_code == 0, sampled.output

@@ -46,8 +46,12 @@ def check_args(prompt: str, max_new_tokens: int, temperature: float, top_k: int 
 
 def run_generate(path: Path, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0,
                  top_k: int | None = None, seed: int = 0, device: str = "auto", chat: bool = False,
-                 out: TextIO | None = None, decode: str = "auto", attention: str = "torch",
-                 fused_decode: bool = False) -> None:
+                 out: TextIO | None = None, decode: str = "auto", attention: str = "triton",
+                 fused_decode: bool | None = None) -> None:
+    """Stream a greedy or sampled continuation of `prompt` from the run's model. By default
+    the decode steps take the fastest path the model and device allow: the attention kernel
+    and, for a W4A16/W8A16 model at batch 1 on a GPU, the fused step (`fused_decode=None`;
+    True says so when it cannot apply, False keeps the unfused step)."""
     from transformers import AutoTokenizer
 
     from quantlab.context import pick_device
@@ -79,7 +83,7 @@ def run_generate(path: Path, prompt: str, max_new_tokens: int = 64, temperature:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = load_runner(source, dev, dtype)
     model.set_attention(attention)
-    if fused_decode and not model.set_fused_decode(True):
+    if fused_decode is not False and not model.set_fused_decode(True) and fused_decode:
         print("[--fused-decode: this model or device does not take it; decoding unfused]", file=sys.stderr)
     stream = TextStream(tokenizer, out or sys.stdout)
     start = time.perf_counter()
