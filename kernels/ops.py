@@ -272,7 +272,7 @@ def attention_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: t
                        start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The decode attention's first launch over a compute-dtype cache, keys from `start[b]`
     to the step's (`triton_attention.attention_partials`, no mask): `(m, l, acc)` for an
-    o_proj GEMV that combines them (`wna16_gemv_epilogue(..., partials=…)`)."""
+    o_proj GEMV that combines them (`wna16_gemv_epilogue(partials, ...)`)."""
     fn = _partials_op if torch.compiler.is_compiling() else _partials_direct
     return fn(q, k, v, pos, start)
 
