@@ -359,13 +359,14 @@ def _(x, qweight, scales, zeros, bits, group_size, in_features, out_features, ki
 
 def _epilogue_direct(x, qweight, scales, zeros, bits, group_size, in_features, out_features, kind, row,
                      weight, eps, cos, sin, pos, k_cache, v_cache, nq, nkv, attn_m, attn_l):
+    from quantlab.kernels.triton_attention import Partials, prologue_args
     from quantlab.kernels.triton_wna16 import wna16_gemv_epilogue
 
     p = PackedWNA16(qweight, scales, zeros, bits, group_size or None, in_features, out_features)
     outs = _epilogue_outputs(row, kind, out_features, weight, nq)
     args: dict = dict(EPI=kind, e_row_ptr=row, e_w_ptr=weight, e_eps=eps)
     if attn_m is not None:  # x: the partials' values; the GEMV forms its own input row
-        args.update(_combine_args(attn_m, attn_l, x, in_features))
+        args.update(prologue_args(Partials(attn_m, attn_l, x), in_features // x.shape[-1]))
         x = row.new_empty(1, in_features)
     if kind == Epilogue.RESIDUAL:
         args["e_y2_ptr"] = outs[1] if weight is not None else None
@@ -374,14 +375,6 @@ def _epilogue_direct(x, qweight, scales, zeros, bits, group_size, in_features, o
                     e_vc_ptr=v_cache, e_nq=nq, e_nkv=nkv, e_cache_s=k_cache.shape[-2])
     wna16_gemv_epilogue(x, p, outs[0], args)
     return outs
-
-
-def _combine_args(m: torch.Tensor, l_: torch.Tensor, acc: torch.Tensor, in_features: int) -> dict:
-    """The GEMV's combine-prologue arguments for the partials of one row over `in_features /
-    D` query heads."""
-    kvh, nsplit, block_g, d = acc.shape
-    return dict(c_m_ptr=m, c_l_ptr=l_, c_acc_ptr=acc, c_nsplit=nsplit, c_group=in_features // d // kvh,
-                C_BLOCK_G=block_g, C_NSPLIT_P2=1 << (nsplit - 1).bit_length(), HEAD_D=d)
 
 
 def wna16_gemv_epilogue(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor], p: PackedWNA16,

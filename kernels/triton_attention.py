@@ -132,9 +132,15 @@ class Partials(NamedTuple):
 
 def partials_shape(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int]:
     """`(B·KVH, NSPLIT, BLOCK_G, D)` of the partials of `q [B, H, D]` over the cache `k`."""
+    return _split(q, k)[1]
+
+
+def _split(q: torch.Tensor, k: torch.Tensor) -> tuple[int, tuple[int, int, int, int]]:
+    """(Keys per split, the partials' shape)."""
     b, h, d = q.shape
     kvh, s = k.shape[1], k.shape[2]
-    return b * kvh, triton.cdiv(s, _chunk(s, b * kvh, q.device)), max(16, triton.next_power_of_2(h // kvh)), d
+    chunk = _chunk(s, b * kvh, q.device)
+    return chunk, (b * kvh, triton.cdiv(s, chunk), max(16, triton.next_power_of_2(h // kvh)), d)
 
 
 def attention_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -147,14 +153,14 @@ def attention_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     kvh, s = k.shape[1], k.shape[2]
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and q.stride(-1) == 1 and d == triton.next_power_of_2(d)
     assert (mask is None) != (start is None), "a mask or the rows' first positions"
-    bkv, nsplit, block_g, _ = partials_shape(q, k)
+    chunk, (bkv, nsplit, block_g, _) = _split(q, k)
     m = torch.empty(bkv, nsplit, block_g, dtype=torch.float32, device=q.device)
     parts = Partials(m, torch.empty_like(m), torch.empty(*m.shape, d, dtype=torch.float32, device=q.device))
     codes = k_scale is not None
     scales = (k_scale, v_scale) if codes else (m, m)  # unread without codes
     mask8 = mask.view(torch.int8) if mask is not None and mask.dtype == torch.bool else mask
     _partial_kernel[(bkv, nsplit)](
-        q, k, v, *scales, mask8, start, pos, *parts, s, kvh, _chunk(s, bkv, q.device), 1.0 / math.sqrt(d),
+        q, k, v, *scales, mask8, start, pos, *parts, s, kvh, chunk, 1.0 / math.sqrt(d),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         mask8.stride(0) if mask8 is not None else 0, GROUP=h // kvh, BLOCK_G=block_g, D=d, BLOCK_S=BLOCK_S,
         CODES=codes, UPCAST=interpret_mode() or q.dtype == torch.float32, **_launch_options(q))
@@ -175,6 +181,14 @@ def combine(parts: Partials, q: torch.Tensor) -> torch.Tensor:
                                      GROUP=h // kvh, BLOCK_G=block_g, D=d,
                                      NSPLIT_P2=triton.next_power_of_2(nsplit), **_launch_options(q))
     return out
+
+
+def prologue_args(parts: Partials, heads: int) -> dict:
+    """The o_proj GEMV's arguments for combining `parts` (one row, `heads` query heads) in its
+    prologue (`gemv_epilogue.combine_heads`)."""
+    kvh, nsplit, block_g, d = parts.acc.shape
+    return dict(c_m_ptr=parts.m, c_l_ptr=parts.l, c_acc_ptr=parts.acc, c_nsplit=nsplit, c_group=heads // kvh,
+                C_BLOCK_G=block_g, C_NSPLIT_P2=triton.next_power_of_2(nsplit), HEAD_D=d)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

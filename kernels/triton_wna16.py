@@ -450,11 +450,12 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
     if STAGES == 1:
         w_next = tl.load(w_ptrs, mask=(offs_n < tl.where(b0 < b1, N, 0))[:, None], other=0)
     pdl_wait(PDL)
+    k1 = tl.minimum(b1 * BK, K)  # this split's K range is [b0·BK, k1)
     if c_acc_ptr is not None:
-        epi.combine_heads(c_m_ptr, c_l_ptr, c_acc_ptr, x_row, b0 * BK, tl.minimum(b1 * BK, K),
-                          c_nsplit, c_group, C_BLOCK_G, HEAD_D, C_NSPLIT_P2)
+        epi.combine_heads(c_m_ptr, c_l_ptr, c_acc_ptr, x_row, b0 * BK, k1, c_nsplit, c_group,
+                          C_BLOCK_G, HEAD_D, C_NSPLIT_P2)
     if EPI >= epi.RMS_SWIGLU:
-        sumsq = epi.slice_sumsq(e_row_ptr, b0 * BK, tl.minimum(b1 * BK, K))
+        sumsq = epi.slice_sumsq(e_row_ptr, b0 * BK, k1)
     if PF:
         x_next, s_next, z_next = _gemv_inputs(x_row, s_ptr, z_ptr, b0, b1, k_in, s, z, offs_n,
                                               n_mask, N, K, NG, BITS, GROUP)

@@ -312,9 +312,9 @@ def _w4a16_qwen2():
 @needs_triton
 def test_fused_decode_step_matches_the_unfused_one():
     """`set_fused_decode`: a batch-1 decode step of a W4A16 qwen2 (q/k/v biases, non-unit norm
-    weights) as four epilogue GEMVs and the attention kernel per layer gives the unfused step's
-    logits and writes the same K/V into the cache; its interleaved gate_up leaves the prefill
-    (the unfused path) as it was."""
+    weights) as four epilogue GEMVs and the attention's partials per layer gives the unfused
+    step's logits and writes the same K/V into the cache; its interleaved gate_up leaves the
+    prefill (the unfused path) as it was."""
     model, prompt, nxt = _w4a16_qwen2()
 
     def run(fused: bool):
@@ -616,7 +616,7 @@ def test_gemv_combines_the_attention_partials_in_its_prologue():
     the bits of the GEMV on the two-launch attention's output, whatever K range each split
     covers (split 3 of 4 heads of 64: ranges that end inside a head)."""
     from quantlab.kernels import gemv_epilogue as epi
-    from quantlab.kernels.triton_attention import attention_partials, combine
+    from quantlab.kernels.triton_attention import attention_partials, combine, prologue_args
     from quantlab.kernels.triton_wna16 import wna16_gemv_epilogue
 
     g = torch.Generator().manual_seed(4)
@@ -632,7 +632,7 @@ def test_gemv_combines_the_attention_partials_in_its_prologue():
     wna16_gemv_epilogue(y, p, want, dict(EPI=epi.RESIDUAL, e_row_ptr=res), config)
     row = torch.full((1, h * d), float("nan"), dtype=torch.bfloat16, device=DEV)
     got = torch.full_like(want, float("nan"))
-    wna16_gemv_epilogue(row, p, got, dict(EPI=epi.RESIDUAL, e_row_ptr=res, **ops._combine_args(*parts, h * d)),
+    wna16_gemv_epilogue(row, p, got, dict(EPI=epi.RESIDUAL, e_row_ptr=res, **prologue_args(parts, h)),
                         config)
     assert torch.equal(row, y) and torch.equal(got, want)
 

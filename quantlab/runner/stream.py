@@ -83,8 +83,10 @@ def run_generate(path: Path, prompt: str, max_new_tokens: int = 64, temperature:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = load_runner(source, dev, dtype)
     model.set_attention(attention)
-    if fused_decode is not False and not model.set_fused_decode(True) and fused_decode:
-        print("[--fused-decode: this model or device does not take it; decoding unfused]", file=sys.stderr)
+    if fused_decode is not False:
+        fused = model.set_fused_decode(True)
+        if fused_decode and not fused:
+            print("[--fused-decode: this model or device does not take it; decoding unfused]", file=sys.stderr)
     stream = TextStream(tokenizer, out or sys.stdout)
     start = time.perf_counter()
     result = generate(model, [ids], max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
