@@ -77,10 +77,11 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from quantlab.kernels import gemv_epilogue as epi
 from quantlab.kernels.layout import BLOCK_K, PackedWNA16
-from quantlab.kernels.ops import autotune_bench, interpret_mode, pdl_launch, sm_count
+from quantlab.kernels.ops import autotune_bench, interpret_mode, pdl_launch, sm_count, use_triton
 from quantlab.kernels.split_k import largest_split, split_total, split_workspaces, wave_splits
 
 MAGIC32 = 0x4B000000  # float32 bits of 2^23
@@ -511,12 +512,12 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
 
 
 @triton.jit
-def _wna16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
+def _wna16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr, w_desc,
                   M, N, K, NBLK, NG, stride_xm, stride_ym, magic32, MB, SPLIT_K,
                   BITS: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
                   FAST: tl.constexpr, UPCAST: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, U: tl.constexpr,
-                  PF: tl.constexpr = True, JOIN: tl.constexpr = False):
+                  PF: tl.constexpr = True, JOIN: tl.constexpr = False, TMA: tl.constexpr = False):
     """See the module docstring. NBLK: blocks of 8 word rows (BK = 8·32/bits k each); U blocks
     per loop iteration (fewer when a group is smaller than U blocks). With groups of whole
     blocks (GMODE 1) an iteration lies in one group: its partial product is scaled once, and
@@ -586,7 +587,10 @@ def _wna16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
         else:
             for u in tl.static_range(UU):
                 k0 = k_it + u * BK
-                w = tl.load(w_base + (k0 // BK) * 8 * N, mask=n_mask[:, None], other=0)  # [BN, 8]
+                if TMA:
+                    w = tl.trans(w_desc.load([(k0 // BK) * 8, pid_n * BLOCK_N]))
+                else:
+                    w = tl.load(w_base + (k0 // BK) * 8 * N, mask=n_mask[:, None], other=0)  # [BN, 8]
                 for d in tl.static_range(D):
                     a = _slice_operand(w, d, zo, s, s_ptr, z_ptr, k0, offs_j, offs_n, n_mask, N,
                                        NG, magic32, BITS, GROUP, GMODE, DT, FAST)
@@ -649,10 +653,16 @@ def _bucket(m: int) -> int:
     return min(triton.next_power_of_2(m), 64)
 
 
+def _word_block(nargs: dict) -> None:
+    """Autotuner pre-hook: the word descriptor's box is one block of 8 word rows × the tile."""
+    if nargs.get("w_desc") is not None:
+        nargs["w_desc"].block_shape = [8, nargs["BLOCK_N"]]
+
+
 def _cfg(bm: int, bn: int, sk: int, warps: int, stages: int, u: int = 2, pf: bool = True,
-         maxnreg: int | None = None) -> triton.Config:
-    return triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=sk, U=u, PF=pf), num_warps=warps,
-                         num_stages=stages, maxnreg=maxnreg)
+         maxnreg: int | None = None, tma: bool = False) -> triton.Config:
+    return triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=sk, U=u, PF=pf, TMA=tma),
+                         num_warps=warps, num_stages=stages, maxnreg=maxnreg, pre_hook=_word_block)
 
 
 # Tensor-core kernel, per M bucket, from benchmarks/wna16_sweep.py on an H200: decode
@@ -681,6 +691,12 @@ CONFIGS = {
     + [_cfg(bm, 64, sk, 4, 3, u=2, pf=False) for bm in (16, 32) for sk in (4, 8)]
     + [_cfg(32, 128, sk, 4, 3) for sk in (2, 4)],
 }
+# The words through TMA (session 17, H100, `_word_desc`): three stages won every shape of the
+# sweep; qwen_up M = 16 24.2 µs against 27.6 with per-thread copies, qwen_down M = 64 42.2
+# against 46.8. The K/V shapes keep the per-thread copies (qwen_kv M = 16 12.1 against 10.8).
+CONFIGS[16] += [_cfg(16, 128, sk, 4, 3, u=u, tma=True) for u in (1, 2) for sk in (2, 4, 8)]
+CONFIGS[64] += [_cfg(bm, 128, sk, 4, 3, u=u, tma=True) for bm in (32, 64) for u in (1, 2)
+                for sk in (1, 2, 4)]
 # JOIN (int8 under bf16): the configs that won for the previous tile-joining int8 kernel
 # (64 columns, 16 words per iteration, 3–4 stages).
 JOIN_CONFIGS = {
@@ -715,7 +731,8 @@ def _with_split(c: triton.Config, split: int) -> triton.Config:
     kw = dict(c.kwargs, SPLIT_K=split)
     if "SPLIT_P2" in kw:
         kw = _gemv_meta(kw)
-    return triton.Config(kw, num_warps=c.num_warps, num_stages=c.num_stages, maxnreg=c.maxnreg)
+    return triton.Config(kw, num_warps=c.num_warps, num_stages=c.num_stages, maxnreg=c.maxnreg,
+                         pre_hook=c.pre_hook)
 
 
 def _split_candidates(configs, tiles_of, sms: int, cap: int | None = None) -> list[triton.Config]:
@@ -742,6 +759,8 @@ def _prune(configs, named_args, lo: int = 1, hi: int = 16, min_iters: int = 1,
     ≥ min_iters loop iterations per split (else the grid nearest that window)."""
     n, nblk, m = named_args["N"], named_args["NBLK"], named_args["M"]
     sms = sm_count(named_args["y_ptr"].device, 8)
+    if named_args.get("w_desc") is None:
+        configs = [c for c in configs if not c.kwargs.get("TMA")]
 
     def tiles(c: triton.Config) -> int:
         return triton.cdiv(n, c.kwargs["BLOCK_N"]) * triton.cdiv(m, c.kwargs.get("BLOCK_M", 1))
@@ -857,6 +876,7 @@ def _launch_fused(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, config: di
     bucket = 16 if m <= 16 else 64
     config = dict(config or {})
     join = config.pop("JOIN", not _fast(p, x.dtype))
+    w_desc = None if join else _word_desc(p)
     if not config and interpret_mode():
         config = INTERPRET_CONFIGS[bucket]
     tuned = f"m{bucket}_join" if join else f"m{bucket}"
@@ -866,16 +886,30 @@ def _launch_fused(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, config: di
     else:
         max_split = config["SPLIT_K"]
     ws, cnt = split_workspaces(x.device, m, n, max_split)
-    args = (x, p.qweight, p.scales, p.zeros, out, ws, cnt, m, n, k, nblk, p.scales.shape[0],
+    if config.get("TMA") and w_desc is None:
+        raise ValueError("TMA=True needs a TMA-capable device (sm_90+) and N a multiple of 4, "
+                         "and takes no JOIN")
+    args = (x, p.qweight, p.scales, p.zeros, out, ws, cnt, w_desc, m, n, k, nblk, p.scales.shape[0],
             x.stride(0), out.stride(0), MAGIC32, _bucket(m))
     common = dict(BITS=p.bits, GROUP=p.group_constexpr, EVEN_K=k % BLOCK_K == 0,
                   FAST=_fast(p, x.dtype) and not join, UPCAST=interpret_mode(), JOIN=join)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]),  # noqa: E731
                          meta["SPLIT_K"])
     if config:
+        _word_block({"w_desc": w_desc, **config})
         _wna16_kernel[grid](*args, **common, **config)
     else:
         TUNERS[tuned][grid](*args, **common)
+
+
+def _word_desc(p: PackedWNA16) -> TensorDescriptor | None:
+    """A TMA descriptor over the packed words (Hopper's bulk copies: deeper pipelines without
+    the registers and issue slots of per-thread copies), where the device has TMA and the word
+    rows are 16-byte aligned; None otherwise."""
+    q = p.qweight
+    if q.shape[1] % 4 or not (interpret_mode() or use_triton(q, (9, 0))):
+        return None
+    return TensorDescriptor.from_tensor(q, [8, 16])  # the box is the config's (_word_block)
 
 
 def _launch(path: str, x: torch.Tensor, p: PackedWNA16, out: torch.Tensor,

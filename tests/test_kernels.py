@@ -195,6 +195,11 @@ WNA16_CASES = [  # bits, group, M, impl, config (None = the interpreter default)
     (8, None, 5, "fused", dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=1, U=1, JOIN=False), torch.bfloat16),
     (8, 64, 37, "auto", dict(BLOCK_M=32, BLOCK_N=32, SPLIT_K=1, U=2, PF=True, JOIN=False),
      torch.float16),
+    # ... with the words through TMA descriptors (N past the last tile zero-filled by the copy)
+    (4, 128, 3, "fused", dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=2, U=2, PF=True, JOIN=False, TMA=True),
+     torch.bfloat16),
+    (8, 64, 37, "auto", dict(BLOCK_M=32, BLOCK_N=64, SPLIT_K=3, U=1, JOIN=False, TMA=True),
+     torch.float16),
     # M > 64: dequantize + matmul
     (4, 128, 70, "auto", None, torch.float16),
     (4, 16, 70, "dequant", None, torch.bfloat16),
@@ -214,6 +219,26 @@ def test_wna16_kernel_matches_reference(bits, group, m, impl, config, dtype):
     y = wna16_matmul(x, p, impl=impl, config=config, out=out)
     assert y is out
     assert rel_err(y, reference.wna16_mm(x, p)) < TOL[dtype]
+
+
+@needs_triton
+def test_wna16_tma_words_only_where_a_descriptor_exists():
+    """Word rows that are not 16-byte aligned (N = 30) get no TMA descriptor: an explicit
+    TMA config is refused with the reason, and the autotuner's prune drops its TMA configs."""
+    import types
+
+    from quantlab.kernels import triton_wna16 as tw
+
+    p = layout.pack_wna16(canonical(30, 128, 4, 64, seed=1), torch.bfloat16).to(DEV)
+    x = torch.randn(3, 128).to(torch.bfloat16).to(DEV)
+    with pytest.raises(ValueError, match="N a multiple of 4"):
+        tw.wna16_matmul(x, p, impl="fused", config=dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=1, U=1,
+                                                        JOIN=False, TMA=True))
+    args = dict(N=30, NBLK=2, M=3, y_ptr=types.SimpleNamespace(device=torch.device(DEV)))
+    assert any(c.kwargs["TMA"] for c in tw.CONFIGS[16])
+    for w_desc, tma_kept in ((None, False), (object(), True)):
+        kept = tw._prune(tw.CONFIGS[16], dict(args, w_desc=w_desc))
+        assert kept and any(c.kwargs["TMA"] for c in kept) == tma_kept
 
 
 def _epilogue_case(n: int, k: int, seed: int):
