@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import time
+import traceback
 from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -90,3 +91,18 @@ def write_result(args: argparse.Namespace, payload: dict[str, Any]) -> None:
     tmp = target.with_name(target.name + ".partial")
     tmp.write_text(json.dumps(payload, indent=2) + "\n")
     tmp.replace(target)
+
+
+def record_failure(result: dict[str, Any], exc: Exception, limit: int = 400) -> None:
+    """A peer's failure goes into its result (type and first line of the message) instead of
+    crashing the benchmark; the traceback goes to the log."""
+    traceback.print_exc()
+    text = str(exc).strip()
+    result.update(status="failed", error=f"{type(exc).__name__}: {text.splitlines()[0][:limit] if text else ''}")
+
+
+def finish(args: argparse.Namespace, result: dict[str, Any], timer: "Timer") -> int:
+    """Write the result with its stage timings; the exit code says whether the peer ran."""
+    result["seconds"] = timer.seconds
+    write_result(args, result)
+    return 0 if result["status"] == "ok" else 1

@@ -4,7 +4,6 @@ test stream, in the benchmark's own interpreter (quantlab's virtualenv)."""
 from __future__ import annotations
 
 import sys
-import traceback
 
 import _common
 
@@ -22,12 +21,9 @@ def main() -> int:
         with timer.measure("eval"):
             result["perplexity"] = _common.score(model, args)
         result["status"] = "ok"
-    except Exception as exc:
-        traceback.print_exc()
-        result.update(status="failed", error=f"{type(exc).__name__}: {str(exc)[:400]}")
-    result["seconds"] = timer.seconds
-    _common.write_result(args, result)
-    return 0 if result["status"] == "ok" else 1
+    except Exception as exc:  # the benchmark records a peer's failure instead of crashing
+        _common.record_failure(result, exc)
+    return _common.finish(args, result, timer)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 
 import _common
 
@@ -66,11 +65,8 @@ def main() -> int:
             result["perplexity"] = _common.score(model.model, args)
         result["status"] = "ok"
     except Exception as exc:  # the benchmark records a peer's failure instead of crashing
-        traceback.print_exc()
-        result.update(status="failed", error=f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:400] if str(exc).strip() else ''}")
-    result["seconds"] = timer.seconds
-    _common.write_result(args, result)
-    return 0 if result["status"] == "ok" else 1
+        _common.record_failure(result, exc)
+    return _common.finish(args, result, timer)
 
 
 if __name__ == "__main__":

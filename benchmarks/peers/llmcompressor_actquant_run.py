@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import traceback
 from collections import Counter
 from typing import Any
 
@@ -161,12 +160,8 @@ def main() -> int:
             result["perplexity"] = _common.score(model, args)
         result["status"] = "ok"
     except Exception as exc:  # the benchmark records a peer's failure instead of crashing
-        traceback.print_exc()
-        text = str(exc).strip()
-        result.update(status="failed", error=f"{type(exc).__name__}: {text.splitlines()[0][:600] if text else ''}")
-    result["seconds"] = timer.seconds
-    _common.write_result(args, result)
-    return 0 if result["status"] == "ok" else 1
+        _common.record_failure(result, exc, limit=600)
+    return _common.finish(args, result, timer)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ default is `static` act-order, so it is switched off explicitly), lm_head left i
 from __future__ import annotations
 
 import sys
-import traceback
 
 import _common
 
@@ -83,12 +82,8 @@ def main() -> int:
             result["perplexity"] = _common.score(model, args)
         result["status"] = "ok"
     except Exception as exc:  # the benchmark records a peer's failure instead of crashing
-        traceback.print_exc()
-        text = str(exc).strip()
-        result.update(status="failed", error=f"{type(exc).__name__}: {text.splitlines()[0][:400] if text else ''}")
-    result["seconds"] = timer.seconds
-    _common.write_result(args, result)
-    return 0 if result["status"] == "ok" else 1
+        _common.record_failure(result, exc)
+    return _common.finish(args, result, timer)
 
 
 if __name__ == "__main__":
