@@ -78,6 +78,15 @@ def _positive_check(report: Report, t: torch.Tensor | None, name: str) -> None:
                      "a step size must be > 0 and finite")
 
 
+def _from_signed(signed: torch.Tensor, scales: torch.Tensor, bits: int, group: int | None) -> QuantizedWeight:
+    """TensorRT-LLM's signed symmetric codes as canonical unsigned ones (zero point 2^(bits−1))."""
+    mid = 1 << (bits - 1)
+    codes = (signed.to(torch.int16) + mid).to(torch.uint8)
+    return QuantizedWeight(codes, scales, torch.full(scales.shape, mid, dtype=torch.uint8),
+                           default_g_idx(codes.shape[1], group),
+                           WeightScheme(bits=bits, symmetric=True, group_size=group))
+
+
 class _Layout:
     """Defaults shared by the layouts: per-channel/tensor scales (no groups, no padding, no
     pre-quant scale) and no tensors on the norms."""
@@ -146,12 +155,8 @@ class W4A16AWQ(_Layout):
         _positive_check(report, tensors.get(f"{name}.weights_scaling_factor"), f"{name}.weights_scaling_factor")
 
     def decode(self, tensors: dict[str, torch.Tensor], name: str, quant: dict[str, Any]) -> QuantizedWeight:
-        group = int(quant["group_size"])
-        codes = (unpack_int4_pairs(tensors[f"{name}.weight"]).to(torch.int16) + 8).to(torch.uint8)
-        scales = tensors[f"{name}.weights_scaling_factor"].float()
-        return QuantizedWeight(codes, scales, torch.full(scales.shape, 8, dtype=torch.uint8),
-                               default_g_idx(codes.shape[1], group),
-                               WeightScheme(bits=4, symmetric=True, group_size=group))
+        return _from_signed(unpack_int4_pairs(tensors[f"{name}.weight"]),
+                            tensors[f"{name}.weights_scaling_factor"].float(), 4, int(quant["group_size"]))
 
 
 class W8A8SmoothQuant(_Layout):
@@ -200,11 +205,8 @@ class W8A8SmoothQuant(_Layout):
                     "per-token SmoothQuant norms pass 1.0 (convert.py); another value rescales every input")
 
     def decode(self, tensors: dict[str, torch.Tensor], name: str, quant: dict[str, Any]) -> QuantizedWeight:
-        codes = (tensors[f"{name}.weight"].to(torch.int16) + 128).to(torch.uint8)
-        scales = tensors[f"{name}.per_channel_scale"].float().reshape(-1, 1).contiguous()
-        return QuantizedWeight(codes, scales, torch.full(scales.shape, 128, dtype=torch.uint8),
-                               default_g_idx(codes.shape[1], None),
-                               WeightScheme(bits=8, symmetric=True, group_size=None))
+        return _from_signed(tensors[f"{name}.weight"],
+                            tensors[f"{name}.per_channel_scale"].float().reshape(-1, 1).contiguous(), 8, None)
 
 
 class FP8(_Layout):
