@@ -3,7 +3,8 @@
 Packed layouts and repacking from quantlab's canonical form (`layout`), torch reference
 paths (`reference`; the runner's own torch attention for `triton_attention`), Triton kernels
 (`triton_wna16`, `triton_scaled`, `triton_act`, `triton_attention`, with the split-K reduction
-the GEMMs share in `split_k`; imported lazily: this package imports without triton or a GPU)
+the GEMMs share in `split_k`; `gluon_wna16`, W4A16 at small M on Hopper in Triton's Gluon;
+imported lazily: this package imports without triton or a GPU)
 and the dispatching entry points (`ops`).
 """
 

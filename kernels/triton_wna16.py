@@ -812,7 +812,7 @@ INTERPRET_CONFIGS = {
     64: dict(BLOCK_M=32, BLOCK_N=32, SPLIT_K=2, U=2),
 }
 IMPLS = {"auto": "auto", "gemv": "gemv", "fma": "gemv", "fused": "fused", "mid": "fused",
-         "tiled": "fused", "dequant": "dequant"}
+         "tiled": "fused", "gluon": "gluon", "dequant": "dequant"}
 
 
 def _fast(p: PackedWNA16, dtype: torch.dtype) -> bool:
@@ -929,20 +929,41 @@ def _launch(path: str, x: torch.Tensor, p: PackedWNA16, out: torch.Tensor,
             config: dict | None) -> None:
     if path == "gemv":
         _launch_gemv(x, p, out, config)
+    elif path == "gluon":
+        g = _gluon()
+        if g is None or not g.supports(x, p):
+            raise ValueError("impl 'gluon' takes int4 in groups of 128 at 2 ≤ M ≤ 16 on sm_90 with "
+                             "Triton's Gluon (see gluon_wna16.supports)")
+        g.w4_m16_matmul(x, p, out, **(config or {}))
     elif path == "fused":
         _launch_fused(x, p, out, config)
     else:
         torch.matmul(x, dequantize(p, x.dtype).t(), out=out)
 
 
-def _auto_path(m: int, p: PackedWNA16) -> str:
+@functools.cache
+def _gluon():
+    """`gluon_wna16`, or None where this Triton has no Gluon (imported on first use)."""
+    try:
+        from quantlab.kernels import gluon_wna16
+    except ImportError:
+        return None
+    return gluon_wna16
+
+
+def _auto_path(x: torch.Tensor, p: PackedWNA16) -> str:
     """The GEMV at M = 1 (when it takes the group size), the tensor-core kernel up to
-    DECODE_MAX_M, dequantize + cuBLAS above. On an H200 the GEMV beat the tensor-core kernel at
-    M = 1 on all 16 benchmark cases but one (within 4%), the tensor-core kernel beats it from
-    M = 2 (it reads the weights once for all tokens)."""
+    DECODE_MAX_M — its Gluon version on Hopper where it applies and wins (`gluon_wna16`) —,
+    dequantize + cuBLAS above. On an H200 the GEMV beat the tensor-core kernel at M = 1 on
+    all 16 benchmark cases but one (within 4%), the tensor-core kernel beats it from M = 2
+    (it reads the weights once for all tokens)."""
+    m = x.shape[0]
     if m > DECODE_MAX_M:
         return "dequant"
-    return "gemv" if m == 1 and p.gemv_ok else "fused"
+    if m == 1 and p.gemv_ok:
+        return "gemv"
+    g = _gluon() if not interpret_mode() else None
+    return "gluon" if g is not None and g.supports(x, p) and g.preferred(p) else "fused"
 
 
 def wna16_matmul(x: torch.Tensor, p: PackedWNA16, impl: str = "auto",
@@ -950,7 +971,8 @@ def wna16_matmul(x: torch.Tensor, p: PackedWNA16, impl: str = "auto",
     """`x [M, K]` (bf16/fp16, unit column stride) times the packed weight → `[M, N]` in x's dtype.
 
     impl: "auto" (see `_auto_path`), "gemv" (alias "fma"; per-channel or groups of whole
-    blocks), "fused" (aliases "mid", "tiled": the tensor-core kernel) or "dequant".
+    blocks), "fused" (aliases "mid", "tiled": the tensor-core kernel), "gluon" (its Hopper
+    version in `gluon_wna16`; config: split, stages) or "dequant".
     `config` (meta-parameters, optionally num_warps/num_stages/maxnreg) skips autotuning: with
     impl "auto" it names the tensor-core kernel if it holds BLOCK_M, else the GEMV; the
     tensor-core kernel also takes JOIN (default: int8 under bf16 and the interpreter). Under
@@ -972,7 +994,7 @@ def wna16_matmul(x: torch.Tensor, p: PackedWNA16, impl: str = "auto",
         return out
     path = IMPLS[impl]
     if path == "auto":
-        path = _auto_path(m, p) if config is None else "fused" if "BLOCK_M" in config else "gemv"
+        path = _auto_path(x, p) if config is None else "fused" if "BLOCK_M" in config else "gemv"
     if path == "gemv" and not p.gemv_ok:
         raise ValueError(f"the GEMV takes groups of {256 // p.bits} k or multiples, "
                          f"got {p.group_size}")

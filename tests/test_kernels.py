@@ -241,6 +241,94 @@ def test_wna16_tma_words_only_where_a_descriptor_exists():
         assert kept and any(c.kwargs["TMA"] for c in kept) == tma_kept
 
 
+# The Gluon kernel (gluon_wna16: int4 g128 at 2 ≤ M ≤ 16 on Hopper) cannot run in the
+# interpreter: CPUs compile it for sm_90 (its operand layouts are checked at compile time),
+# GPUs also run it.
+_GLUON_PTX = """
+import json, sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.experimental.gluon import language as gl
+from quantlab.kernels import gluon_wna16 as g
+half = sys.argv[1]
+t = {"bfloat16": "bf16", "float16": "fp16"}[half]
+wl = gl.NVMMASharedLayout.get_default_for([16, g.BLOCK_N], gl.int32)
+xl = gl.NVMMASharedLayout.get_default_for([g.BLOCK_M, g.GROUP], getattr(gl, half))
+sig = {"w_desc": f"tensordesc<i32[16, {g.BLOCK_N}],{wl!r}>",
+       "x_desc": f"tensordesc<{t}[{g.BLOCK_M}, {g.GROUP}],{xl!r}>",
+       "s_ptr": f"*{t}", "z_ptr": f"*{t}", "y_ptr": f"*{t}", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
+       "M": "i32", "N": "i32", "NG": "i32", "STAGES": "constexpr", "num_warps": "constexpr"}
+src = GluonASTSource(g._w4_m16_kernel, sig, constexprs={"STAGES": 2, "num_warps": 4})
+print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"])
+"""
+
+
+@needs_triton
+@pytest.mark.parametrize("half", ["bfloat16", "float16"])
+def test_gluon_w4_kernel_compiles_with_register_operands(half):
+    """Compiled for sm_90: each group is 16 wgmma (2 blocks × 4 K = 16 slices × 2 row tiles
+    of 64) whose weight operand comes from registers. The word halves → operand step is a
+    renaming (the kernel asserts it); no operand goes through shared memory: the one shared
+    store is the split counter's broadcast."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _GLUON_PTX, half], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    ptx = res.stdout
+    assert ptx.count("wgmma.mma_async") == 16
+    assert ptx.count("cp.async.bulk.tensor") >= 2 and ptx.count("st.shared") <= 1
+
+
+@needs_triton
+def test_gluon_w4_path_only_where_it_applies():
+    """The auto path takes the Gluon kernel only for int4 g128 at 2 ≤ M ≤ 16 on sm_90 CUDA
+    tensors; asking for it elsewhere says what it needs."""
+    from quantlab.kernels import triton_wna16 as tw
+
+    p = layout.pack_wna16(canonical(128, 256, 4, 128), torch.bfloat16)
+    x = torch.randn(4, 256).bfloat16()
+    g = tw._gluon()
+    assert g is not None and not g.supports(x, p)  # a CPU tensor
+    if DEV == "cpu":
+        with pytest.raises(ValueError, match="groups of 128"):
+            tw.wna16_matmul(x, p, impl="gluon")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="runs on an sm_90 GPU (compiled for sm_90 on every machine above)")
+@pytest.mark.parametrize("m,dtype,split", [(2, torch.bfloat16, None), (7, torch.float16, 3),
+                                           (16, torch.bfloat16, 2), (16, torch.float16, 1)])
+def test_gluon_w4_kernel_matches_reference(m, dtype, split):
+    """Against the torch reference and the Triton tensor-core kernel: 256 columns, K = 600
+    (padded to 640: the last group reads x's missing columns as zeros), odd token counts, and
+    splits that leave a program without groups (5 groups over 3 splits of 2)."""
+    from quantlab.kernels import triton_wna16 as tw
+
+    p = layout.pack_wna16(canonical(256, 600, 4, 128, seed=m), dtype).to(DEV)
+    x = torch.randn(m, 600).to(dtype).to(DEV)
+    assert tw._gluon().supports(x, p) and tw._auto_path(x, p) == "fused"  # a small weight
+    y = tw.wna16_matmul(x, p, impl="gluon", config=None if split is None else {"split": split})
+    assert rel_err(y, reference.wna16_mm(x, p)) < TOL[dtype]
+    assert rel_err(y, tw.wna16_matmul(x, p, impl="fused")) < TOL[dtype]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="runs on an sm_90 GPU (compiled for sm_90 on every machine above)")
+def test_gluon_w4_kernel_is_the_auto_path_for_large_weights():
+    """A weight of MIN_WEIGHTS (4096 × 8192) at M = 16 goes through the Gluon kernel by
+    default, with its automatic split."""
+    from quantlab.kernels import gluon_wna16, triton_wna16 as tw
+
+    p = layout.pack_wna16(canonical(4096, 8192, 4, 128, seed=3), torch.bfloat16).to(DEV)
+    x = torch.randn(16, 8192).bfloat16().to(DEV)
+    assert p.out_features * p.in_features >= gluon_wna16.MIN_WEIGHTS
+    assert tw._auto_path(x, p) == "gluon"
+    assert rel_err(tw.wna16_matmul(x, p), reference.wna16_mm(x, p)) < TOL[torch.bfloat16]
+
+
 def _epilogue_case(n: int, k: int, seed: int):
     """A packed int4 g64 weight `[n, k]`, one bf16 token row and its float32 plain product."""
     p = layout.pack_wna16(canonical(n, k, 4, 64, seed=seed), torch.bfloat16).to(DEV)

@@ -1,0 +1,237 @@
+"""W4A16 at 2 ≤ M ≤ 16 on Hopper, written in Gluon (Triton's explicit-layout dialect) so that
+the weights reach the tensor cores without a trip through shared memory in registers' order.
+Imported lazily: needs triton with Gluon and an sm_90 GPU to run (the CPU tests compile it).
+
+Why a second kernel. The Triton tensor-core kernel (`triton_wna16._wna16_kernel`) leaves the
+layouts to the compiler, which moves either the packed words or the dequantized operand
+through shared memory into wgmma's register order: 5 CTA barriers per iteration and 20%
+occupancy (Nsight Compute, H100, M = 16). Here the layouts are chosen:
+
+* The accumulator `[BN, BM]` (weight columns × tokens) is wgmma's layout, `ACC`.
+* The int32 word tile `[BN, 8]` is loaded from its TMA buffer in `DotOperandLayout(0, ACC,
+  k_width=1)`. That gives each thread words j = lane % 4 and j + 4 of rows lane / 4 and + 8:
+  under our packing (`layout.kernel_k_order`), those words' 16-bit halves are exactly the
+  thread's bf16/fp16 pairs k = 2j, 2j + 1 of a K = 16 slice in `DotOperandLayout(0, ACC,
+  k_width=2)`, the register operand wgmma takes. Splitting each word into its halves and
+  joining them back along k is a renaming (`convert_layout(..., assert_trivial=True)`
+  compiles only if it is).
+* Dequantization is the same LOP3 + packed FMA as the Triton kernel's (`q − z` exact in the
+  half type), then one wgmma per K = 16 slice reads the activations straight from their TMA
+  buffer (a 16-column view of a 128B-swizzled `[BM, 128]` tile).
+* Scales and zeros are loaded per thread in the slice layouts they are used in, a group
+  ahead. Split-K partials are summed by the last program to arrive, in split order
+  (deterministic), as in `split_k`.
+
+One group of 128 k (two blocks of 8 word rows) per iteration through a STAGES-deep ring of
+TMA buffers. Scope: int4 with groups of 128, bf16/fp16 activations, N and the padded K
+multiples of 128, M ≤ 16, sm_90.
+
+Measured on an H100 (session 17, `benchmarks/gemm.py --ms 16 --kinds w4a16`, autotuned Triton
+kernel in an earlier run of the same session in parentheses): qwen_up 22.0 µs = 2.48× bf16
+cuBLAS (24.2 µs, 2.29×), qwen_down 24.1 µs = 2.26× (24.6, 2.20×), llama_up 20.8 = 2.16×
+(22.5, 2.00×). The ordered split-K sum costs part of it: a version adding the partials with
+fp32 atomics ran both Qwen shapes in 19.3 µs. Weights under MIN_WEIGHTS stay on the Triton
+kernel, which is faster there.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from quantlab.kernels.layout import PackedWNA16
+from quantlab.kernels.split_k import split_workspaces
+
+# Names that moved between Triton releases: the CTA barrier (`thread_barrier` in 3.6,
+# `barrier` later) and the TMA load (`async_copy_global_to_shared`, later `async_load`).
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+GROUP = 128  # k per group and per iteration: two blocks of 8 int4 word rows
+BLOCK_N = 128  # weight columns per program (two wgmma row tiles of 64)
+BLOCK_M = 16  # tokens per program (wgmma's N)
+PROGRAMS_PER_SM = 3  # the split-K target (H100 sweep: 444 programs on qwen_up, 392 on qwen_down)
+
+# `(w & 0x000F000F) | magic` is the half pair `magic + q`; one packed FMA with `-(magic + z)`
+# gives the exact `q − z` (magic 128 for bf16, 1024 for fp16); the pair leaves as two halves.
+_DEQUANT_BF16 = gl.constexpr(
+    "{.reg .b32 m, o, t, r; mov.b32 m, 0x43004300; mov.b32 o, 0x3F803F80; "
+    "lop3.b32 t, $2, 0x000F000F, m, 0xEA; fma.rn.bf16x2 r, t, o, $3; mov.b32 {$0, $1}, r;}")
+_DEQUANT_FP16 = gl.constexpr(
+    "{.reg .b32 m, o, t, r; mov.b32 m, 0x64006400; mov.b32 o, 0x3C003C00; "
+    "lop3.b32 t, $2, 0x000F000F, m, 0xEA; fma.rn.f16x2 r, t, o, $3; mov.b32 {$0, $1}, r;}")
+
+
+@gluon.jit
+def _issue(w_desc, x_desc, bar, w_buf, x_buf, g, off_n):
+    """Start the TMA copies of group g's words `[16, BN]` and activations `[BM, 128]`."""
+    mbarrier.expect(bar, w_desc.block_type.nbytes + x_desc.block_type.nbytes)
+    _tma_load(w_desc, [g * 16, off_n], bar, w_buf)
+    _tma_load(x_desc, [0, g * 128], bar, x_buf)
+
+
+@gluon.jit
+def _slice_operand(w, d: gl.constexpr, nz, A_L: gl.constexpr, FP16: gl.constexpr):
+    """K = 16 slice d of a block's words `[BN, 8]` as the register operand `[BN, 16]`."""
+    if FP16:
+        lo, hi = gl.inline_asm_elementwise(_DEQUANT_FP16, "=h,=h,r,r", [w >> (4 * d), nz],
+                                           dtype=(gl.float16, gl.float16), is_pure=True, pack=1)
+    else:
+        lo, hi = gl.inline_asm_elementwise(_DEQUANT_BF16, "=h,=h,r,r", [w >> (4 * d), nz],
+                                           dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
+    return gl.convert_layout(gl.reshape(gl.join(lo, hi), [w.shape[0], 16]), A_L, assert_trivial=True)
+
+
+@gluon.jit
+def _zero_pairs(z, FP16: gl.constexpr):
+    """`-(magic + z)` as the packed half pair the dequantization adds, int32 `[BN, 1]`."""
+    if FP16:
+        nz = (-(z + 1024.0)).to(gl.float16).to(gl.int16, bitcast=True)
+    else:
+        nz = (-(z + 128.0)).to(gl.bfloat16).to(gl.int16, bitcast=True)
+    nz = nz.to(gl.int32) & 0xFFFF
+    return gl.expand_dims(nz | (nz << 16), 1)
+
+
+@gluon.jit
+def _w4_m16_kernel(w_desc, x_desc, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, NG,
+                   STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """One `[BN, BM]` tile of Yᵀ over the split `program_id(1)` of the K groups; see the
+    module docstring."""
+    BN: gl.constexpr = w_desc.block_type.shape[1]
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    FP16: gl.constexpr = x_desc.dtype == gl.float16
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BM, 16])
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+    W_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=1)
+    pid_n = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    split = gl.num_programs(1)
+    off_n = pid_n * BN
+    per = gl.cdiv(NG, split)
+    g0 = pid_k * per
+    g1 = gl.minimum(g0 + per, NG)
+
+    w_s = gl.allocate_shared_memory(gl.int32, [STAGES, 16, BN], w_desc.layout)
+    x_s = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, 128], x_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    for i in gl.static_range(STAGES - 1):
+        if g0 + i < g1:
+            _issue(w_desc, x_desc, bars.index(i), w_s.index(i), x_s.index(i), g0 + i, off_n)
+
+    z_cols = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, W_L))
+    s_cols = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
+    g_first = gl.minimum(g0, NG - 1)  # a split past the last group loads nothing else
+    z_next = gl.load(z_ptr + g_first * N + z_cols)
+    s_next = gl.load(s_ptr + g_first * N + s_cols)
+    acc = gl.zeros([BN, BM], gl.float32, ACC)
+    for g in range(g0, g1):
+        it = g - g0
+        st = it % STAGES
+        if g + STAGES - 1 < g1:  # refill the buffer the previous iteration's wgmma released
+            ns = (it + STAGES - 1) % STAGES
+            _issue(w_desc, x_desc, bars.index(ns), w_s.index(ns), x_s.index(ns), g + STAGES - 1, off_n)
+        nz = _zero_pairs(z_next.to(gl.float32), FP16)
+        sc = s_next.to(gl.float32)
+        g_next = gl.minimum(g + 1, NG - 1)
+        z_next = gl.load(z_ptr + g_next * N + z_cols)
+        s_next = gl.load(s_ptr + g_next * N + s_cols)
+        mbarrier.wait(bars.index(st), (it // STAGES) & 1)
+        part = gl.zeros([BN, BM], gl.float32, ACC)
+        for u in gl.static_range(2):
+            w = w_s.index(st).slice(8 * u, 8, dim=0).permute((1, 0)).load(W_L)
+            nz_w = nz + gl.zeros_like(w)
+            for d in gl.static_range(4):
+                a = _slice_operand(w, d, nz_w, A_L, FP16)
+                xb = x_s.index(st).slice(64 * u + 16 * d, 16, dim=1).permute((1, 0))
+                part = warpgroup_mma(a, xb, part, is_async=True)
+        part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+        acc += part * gl.expand_dims(sc, 1)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+    rows = gl.arange(0, BM, layout=gl.SliceLayout(0, ACC))
+    offs = gl.expand_dims(rows, 0) * N + gl.expand_dims(s_cols, 1)
+    mask = gl.expand_dims(rows < M, 0) & gl.expand_dims(s_cols < N, 1)
+    if split > 1:  # the last split to arrive sums the partials in split order
+        gl.store(ws_ptr + pid_k * M * N + offs, acc, mask=mask)
+        _cta_barrier()
+        arrived = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == split - 1:
+            acc = gl.zeros([BN, BM], gl.float32, ACC)
+            for sk in range(0, split, 4):  # four loads in flight, summed in split order
+                parts = ws_ptr + sk * M * N + offs
+                p0 = gl.load(parts, mask=mask, other=0.0, cache_modifier=".cg")
+                p1 = gl.load(parts + M * N, mask=mask & (sk + 1 < split), other=0.0, cache_modifier=".cg")
+                p2 = gl.load(parts + 2 * M * N, mask=mask & (sk + 2 < split), other=0.0, cache_modifier=".cg")
+                p3 = gl.load(parts + 3 * M * N, mask=mask & (sk + 3 < split), other=0.0, cache_modifier=".cg")
+                acc = (((acc + p0) + p1) + p2) + p3
+            gl.store(cnt_ptr + pid_n, 0)
+            gl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        gl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+MIN_WEIGHTS = 1 << 25  # N·K below this the Triton kernel is faster (H100, M = 16: qwen_qkv
+# 3584×3584 15.5 against 13.5 µs, llama_kv 13.5 against 10.9; the MLP shapes win)
+
+
+def preferred(p: PackedWNA16) -> bool:
+    """Whether the auto path should take this kernel for a weight it supports."""
+    return p.out_features * p.in_features >= MIN_WEIGHTS
+
+
+def supports(x: torch.Tensor, p: PackedWNA16) -> bool:
+    """Whether this kernel takes the call: int4 in groups of 128, 2–16 contiguous bf16/fp16
+    token rows with 16-byte aligned starts, N and the padded K multiples of 128, no act-order
+    gather, on an sm_90 GPU."""
+    return (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9
+            and p.bits == 4 and p.group_size == GROUP and p.perm is None
+            and x.dtype in (torch.bfloat16, torch.float16) and 2 <= x.shape[0] <= BLOCK_M
+            and x.is_contiguous() and x.data_ptr() % 16 == 0
+            and p.out_features % BLOCK_N == 0 and (p.qweight.shape[0] * 8) % GROUP == 0
+            and p.in_features % 8 == 0 and p.scales.dtype == x.dtype)
+
+
+def split_for(n: int, groups: int, sms: int) -> int:
+    """Split-K so that about PROGRAMS_PER_SM programs run on every SM, at least 2 groups each."""
+    tiles = n // BLOCK_N
+    return max(1, min(round(PROGRAMS_PER_SM * sms / tiles), groups // 2))
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_layouts(dtype: torch.dtype):
+    half = gl.float16 if dtype == torch.float16 else gl.bfloat16
+    return (gl.NVMMASharedLayout.get_default_for([16, BLOCK_N], gl.int32),
+            gl.NVMMASharedLayout.get_default_for([BLOCK_M, GROUP], half))
+
+
+def w4_m16_matmul(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, split: int | None = None,
+                  stages: int = 2) -> torch.Tensor:
+    """`out [M, N] = x [M, K] · Wᵀ` for the calls `supports` accepts (the TMA boxes read the
+    tokens past M and the k past K, up to the padded K of the weights, as zeros)."""
+    m = x.shape[0]
+    n = p.out_features
+    groups = p.qweight.shape[0] * 8 // GROUP
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    split = split or split_for(n, groups, sms)
+    w_layout, x_layout = _shared_layouts(x.dtype)
+    w_desc = TensorDescriptor.from_tensor(p.qweight, [16, BLOCK_N], w_layout)
+    x_desc = TensorDescriptor.from_tensor(x, [BLOCK_M, GROUP], x_layout)  # rows ≥ M, k ≥ K read as 0
+    ws, cnt = split_workspaces(x.device, m, n, split)
+    _w4_m16_kernel[(n // BLOCK_N, split)](w_desc, x_desc, p.scales, p.zeros, out, ws, cnt, m, n, groups,
+                                          STAGES=stages, num_warps=4)
+    return out
