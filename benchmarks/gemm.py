@@ -214,6 +214,10 @@ def run(args) -> dict:
                     for impl in ("gemv", "fused"):
                         variants[f"w{bits}a16_{impl}"] = (
                             lambda pw=pw, impl=impl: wna16_matmul(x, pw, impl=impl), ref)
+            if 2 <= m <= 16:  # the Triton tensor-core kernel and its Gluon version, forced
+                for impl in ("fused", "gluon"):  # (auto picks by weight size; gluon: sm_90 only)
+                    variants[f"w4a16_{impl}"] = (
+                        lambda impl=impl: wna16_matmul(x, case.w4, impl=impl), variants["w4a16"][1])
             if args.kinds:  # bf16 always: the speed-ups are against it
                 keep = {"bf16", *args.kinds.split(",")}
                 variants = {kk: v for kk, v in variants.items() if kk in keep}
