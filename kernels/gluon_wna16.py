@@ -50,6 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from quantlab.kernels.layout import PackedWNA16
+from quantlab.kernels.ops import cuda_capability, sm_count
 from quantlab.kernels.split_k import split_workspaces
 
 # Names that moved between Triton releases: the CTA barrier (`thread_barrier` in 3.6,
@@ -172,13 +173,10 @@ def _w4_m16_kernel(w_desc, x_desc, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, N
         arrived = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
         if arrived == split - 1:
             acc = gl.zeros([BN, BM], gl.float32, ACC)
-            for sk in range(0, split, 4):  # four loads in flight, summed in split order
-                parts = ws_ptr + sk * M * N + offs
-                p0 = gl.load(parts, mask=mask, other=0.0, cache_modifier=".cg")
-                p1 = gl.load(parts + M * N, mask=mask & (sk + 1 < split), other=0.0, cache_modifier=".cg")
-                p2 = gl.load(parts + 2 * M * N, mask=mask & (sk + 2 < split), other=0.0, cache_modifier=".cg")
-                p3 = gl.load(parts + 3 * M * N, mask=mask & (sk + 3 < split), other=0.0, cache_modifier=".cg")
-                acc = (((acc + p0) + p1) + p2) + p3
+            for sk in range(0, split, 4):  # four independent loads per round, summed in split order
+                for i in gl.static_range(4):
+                    acc += gl.load(ws_ptr + (sk + i) * M * N + offs, mask=mask & (sk + i < split),
+                                   other=0.0, cache_modifier=".cg")
             gl.store(cnt_ptr + pid_n, 0)
             gl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
@@ -198,7 +196,7 @@ def supports(x: torch.Tensor, p: PackedWNA16) -> bool:
     """Whether this kernel takes the call: int4 in groups of 128, 2–16 contiguous bf16/fp16
     token rows with 16-byte aligned starts, N and the padded K multiples of 128, no act-order
     gather, on an sm_90 GPU."""
-    return (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9
+    return ((cuda_capability(x) or (0, 0))[0] == 9
             and p.bits == 4 and p.group_size == GROUP and p.perm is None
             and x.dtype in (torch.bfloat16, torch.float16) and 2 <= x.shape[0] <= BLOCK_M
             and x.is_contiguous() and x.data_ptr() % 16 == 0
@@ -226,8 +224,7 @@ def w4_m16_matmul(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, split: int
     m = x.shape[0]
     n = p.out_features
     groups = p.qweight.shape[0] * 8 // GROUP
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    split = split or split_for(n, groups, sms)
+    split = split or split_for(n, groups, sm_count(x.device, 1))
     w_layout, x_layout = _shared_layouts(x.dtype)
     w_desc = TensorDescriptor.from_tensor(p.qweight, [16, BLOCK_N], w_layout)
     x_desc = TensorDescriptor.from_tensor(x, [BLOCK_M, GROUP], x_layout)  # rows ≥ M, k ≥ K read as 0

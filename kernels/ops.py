@@ -166,15 +166,23 @@ def pdl_launch(t: torch.Tensor) -> dict:
     return dict(PDL=int(trigger), launch_pdl=True)
 
 
+def cuda_capability(t: torch.Tensor) -> tuple[int, int] | None:
+    """The compute capability of a CUDA tensor's device (cached: kernels ask on every call),
+    None off CUDA."""
+    if t.device.type != "cuda":
+        return None
+    index = t.device.index or 0
+    if index not in _CAPABILITY:  # filled by the first (eager) call on the device
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITY[index]
+
+
 def use_triton(t: torch.Tensor, min_capability: tuple[int, int] = (8, 0)) -> bool:
     """Whether a tensor on this device should go through the Triton kernels."""
     if not _TRITON:
         return False
     if t.device.type == "cuda":
-        index = t.device.index or 0
-        if index not in _CAPABILITY:  # filled by the first (eager) call on the device
-            _CAPABILITY[index] = torch.cuda.get_device_capability(index)
-        return _CAPABILITY[index] >= min_capability
+        return cuda_capability(t) >= min_capability
     return t.device.type == "cpu" and interpret_mode()
 
 

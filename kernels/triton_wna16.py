@@ -930,11 +930,7 @@ def _launch(path: str, x: torch.Tensor, p: PackedWNA16, out: torch.Tensor,
     if path == "gemv":
         _launch_gemv(x, p, out, config)
     elif path == "gluon":
-        g = _gluon()
-        if g is None or not g.supports(x, p):
-            raise ValueError("impl 'gluon' takes int4 in groups of 128 at 2 ≤ M ≤ 16 on sm_90 with "
-                             "Triton's Gluon (see gluon_wna16.supports)")
-        g.w4_m16_matmul(x, p, out, **(config or {}))
+        _gluon().w4_m16_matmul(x, p, out, **(config or {}))
     elif path == "fused":
         _launch_fused(x, p, out, config)
     else:
@@ -993,6 +989,9 @@ def wna16_matmul(x: torch.Tensor, p: PackedWNA16, impl: str = "auto",
     if m == 0:
         return out
     path = IMPLS[impl]
+    if path == "gluon" and (_gluon() is None or not _gluon().supports(x, p)):
+        raise ValueError("impl 'gluon' takes int4 in groups of 128 at 2 ≤ M ≤ 16 on sm_90 with "
+                         "Triton's Gluon (see gluon_wna16.supports)")
     if path == "auto":
         path = _auto_path(x, p) if config is None else "fused" if "BLOCK_M" in config else "gemv"
     if path == "gemv" and not p.gemv_ok:
