@@ -57,6 +57,10 @@ DEEP_GEMV += [(bn, w, True, True, st) for bn, w in ((256, 1), (512, 2), (1024, 4
 # µs at split 28 against 19.7 for 128 columns at split 32.
 DEEP_GEMV += [(64, 1, True, True, st) for st in (1, 3, 4)]
 GEMV_SPLITS = (2, 4, 8, 16, 32)
+GLUON_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
+# The Gluon kernel (sm_90, M ≤ 64; gluon_wna16): (block_n, stages, red); split-K is swept.
+GLUON = [(64, 2, 2), (64, 2, 4), (64, 2, 8), (128, 2, 1), (128, 2, 2), (128, 2, 4), (64, 3, 4),
+         (64, 4, 4), (128, 3, 4), (128, 4, 4)]
 
 
 def configs(m: int, nblk: int, deep: str | None = None, n: int = 1,
@@ -78,6 +82,10 @@ def configs(m: int, nblk: int, deep: str | None = None, n: int = 1,
                                maxnreg=r))
                 for sk in (splits(SPLITS, -(-n // bn) * -(-m // bm)) if m <= 64 else (1,))
                 if sk == 1 or nblk // u >= 2 * sk]
+    if m <= 64 and torch.cuda.get_device_capability()[0] == 9:
+        out += [("gluon", dict(block_n=bn, split=sk, stages=st, red=red))
+                for bn, st, red in GLUON if n % bn == 0
+                for sk in splits(GLUON_SPLITS, n // bn) if sk <= nblk // 2]
     if m == 1:
         gemv = {"": GEMV, "add": GEMV + DEEP_GEMV, "only": DEEP_GEMV}[deep or ""]
         out += [("gemv", dict(BLOCK_N=bn, SPLIT_K=sk, PF=pf, DENORM=dn, STAGES=st, num_warps=w,
@@ -114,6 +122,8 @@ def main() -> None:
             ref = reference.wna16_mm(x, case.w4)
             case.setup_tinygemm(x, ref)
             base = {"bf16": bench(graphed(lambda: F.linear(x, case.w)))}
+            if m > 1:  # the Triton tensor-core kernel, autotuned (auto may take the Gluon one)
+                base["fused"] = bench(graphed(lambda: wna16_matmul(x, case.w4, impl="fused")))
             if m > 64:
                 base["dequant"] = bench(graphed(lambda: wna16_matmul(x, case.w4, impl="dequant")))
             if case.tiny is not None:

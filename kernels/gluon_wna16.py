@@ -1,5 +1,5 @@
-"""W4A16 at 2 ≤ M ≤ 16 on Hopper, written in Gluon (Triton's explicit-layout dialect) so that
-the weights reach the tensor cores without a trip through shared memory in registers' order.
+"""W4A16 at M ≤ 64 on Hopper, written in Gluon (Triton's explicit-layout dialect) so that the
+weights reach the tensor cores without a trip through shared memory in registers' order.
 Imported lazily: needs triton with Gluon and an sm_90 GPU to run (the CPU tests compile it).
 
 Why a second kernel. The Triton tensor-core kernel (`triton_wna16._wna16_kernel`) leaves the
@@ -20,23 +20,26 @@ occupancy (Nsight Compute, H100, M = 16). Here the layouts are chosen:
   buffer (a 16-column view of a 128B-swizzled `[BM, 128]` tile).
 * Scales and zeros are loaded per thread in the slice layouts they are used in, a group
   ahead. Split-K partials are summed by the last program to arrive, in split order
-  (deterministic), as in `split_k`.
+  (deterministic), as in `split_k`, but moved in a layout of 4 columns per thread (`_finish`).
 
 One group of 128 k (two blocks of 8 word rows) per iteration through a STAGES-deep ring of
-TMA buffers. Scope: int4 with groups of 128, bf16/fp16 activations, N and the padded K
-multiples of 128, M ≤ 16, sm_90.
+TMA buffers. Tiles: 16, 32 or 64 tokens (wgmma's N), 64 or 128 weight columns; `plan` picks
+them and the split. Scope: int4 with groups of 128, bf16/fp16 activations, N a multiple of
+64, the padded K of 128, M ≤ 64, sm_90.
 
-Measured on an H100 (session 17, `benchmarks/gemm.py --ms 16 --kinds w4a16`, autotuned Triton
-kernel in an earlier run of the same session in parentheses): qwen_up 22.0 µs = 2.48× bf16
-cuBLAS (24.2 µs, 2.29×), qwen_down 24.1 µs = 2.26× (24.6, 2.20×), llama_up 20.8 = 2.16×
-(22.5, 2.00×). The ordered split-K sum costs part of it: a version adding the partials with
-fp32 atomics ran both Qwen shapes in 19.3 µs. Weights under MIN_WEIGHTS stay on the Triton
-kernel, which is faster there.
+Measured on an H100 (session 18, `benchmarks/gemm.py --ms 1,16,64`, through the auto path; the
+Triton kernel forced in the same run in parentheses): qwen_up M = 16 20.7 µs = 2.66× bf16
+cuBLAS (24.6), qwen_down 22.9 µs = 2.39× (24.4); at M = 64 every benchmark shape is faster
+than bf16 (1.02× on qwen_kv to 1.93× on qwen_down; the Triton kernel was 0.86–0.98× on the
+attention shapes). The sum's layout matters at M = 64: read in wgmma's layout (a thread's
+values N apart, 4-byte loads) each split cost about 1 µs, and qwen_down took 33.6 µs at
+split 16 against 28.5 at split 7.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from triton.experimental import gluon
@@ -59,9 +62,14 @@ _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 GROUP = 128  # k per group and per iteration: two blocks of 8 int4 word rows
-BLOCK_N = 128  # weight columns per program (two wgmma row tiles of 64)
-BLOCK_M = 16  # tokens per program (wgmma's N)
-PROGRAMS_PER_SM = 3  # the split-K target (H100 sweep: 444 programs on qwen_up, 392 on qwen_down)
+BLOCK_N = 128  # weight columns per program where N allows (two wgmma row tiles of 64)
+BLOCK_NS = (64, 128)  # the column tiles the kernel takes
+BLOCK_MS = (16, 32, 64)  # token tiles (wgmma's N): the smallest that holds M is used
+MAX_M = BLOCK_MS[-1]
+# Split-K per token tile: (programs per SM aimed at, most splits). A larger token tile makes
+# each partial larger, so the sum at the end costs more per split (H100 sweep, session 18:
+# at M = 64 qwen_down ran 28.5 µs at split 7, 33.6 at 16; at M = 16, 22.7 and 22.0).
+SPLIT_TARGET = {16: (3.4, 16), 32: (4, 12), 64: (3, 8)}
 
 # `(w & 0x000F000F) | magic` is the half pair `magic + q`; one packed FMA with `-(magic + z)`
 # gives the exact `q − z` (magic 128 for bf16, 1024 for fp16); the pair leaves as two halves.
@@ -105,8 +113,8 @@ def _zero_pairs(z, FP16: gl.constexpr):
 
 
 @gluon.jit
-def _w4_m16_kernel(w_desc, x_desc, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, NG,
-                   STAGES: gl.constexpr, num_warps: gl.constexpr):
+def _w4_kernel(w_desc, x_desc, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, NG,
+               STAGES: gl.constexpr, RED: gl.constexpr, num_warps: gl.constexpr):
     """One `[BN, BM]` tile of Yᵀ over the split `program_id(1)` of the K groups; see the
     module docstring."""
     BN: gl.constexpr = w_desc.block_type.shape[1]
@@ -164,27 +172,63 @@ def _w4_m16_kernel(w_desc, x_desc, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, N
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
-    rows = gl.arange(0, BM, layout=gl.SliceLayout(0, ACC))
-    offs = gl.expand_dims(rows, 0) * N + gl.expand_dims(s_cols, 1)
-    mask = gl.expand_dims(rows < M, 0) & gl.expand_dims(s_cols < N, 1)
-    if split > 1:  # the last split to arrive sums the partials in split order
-        gl.store(ws_ptr + pid_k * M * N + offs, acc, mask=mask)
+    _finish(acc, y_ptr, ws_ptr, cnt_ptr, M, N, pid_n, pid_k, split, RED)
+
+
+@gluon.jit
+def _finish(acc, y_ptr, ws_ptr, cnt_ptr, M, N, pid_n, pid_k, split, RED: gl.constexpr):
+    """Write the tile `acc [BN, BM]` (weight columns × tokens) to `y [M, N]`; split, store it
+    as this program's partial and, if this program arrives last, sum every partial in split
+    order first (deterministic). In a layout of 4 consecutive columns per thread: the stores to
+    y and the partials' loads are 16-byte, coalesced along N (in wgmma's layout each thread
+    holds pairs of tokens, N elements apart: at M = 64 the sum was bound by load count). The
+    partials sit tile by tile, whole `[BM, BN]` blocks, so they need no mask."""
+    BN: gl.constexpr = acc.shape[0]
+    BM: gl.constexpr = acc.shape[1]
+    TN: gl.constexpr = 32 if BN >= 128 else BN // 4
+    OUT: gl.constexpr = gl.BlockedLayout([4, 1], [TN, 32 // TN], [1, 4], [0, 1])
+    out = gl.convert_layout(acc, OUT)
+    cols = gl.arange(0, BN, layout=gl.SliceLayout(1, OUT))
+    rows = gl.arange(0, BM, layout=gl.SliceLayout(0, OUT))
+    y_offs = gl.expand_dims(rows, 0) * N + gl.expand_dims(pid_n * BN + cols, 1)
+    y_mask = gl.expand_dims(rows < M, 0) & gl.expand_dims(cols < BN, 1)
+    if split > 1:
+        in_tile = gl.expand_dims(rows, 0) * BN + gl.expand_dims(cols, 1)
+        tile_ws = ws_ptr + pid_n * (BN * BM) + in_tile
+        stride = gl.num_programs(0) * (BN * BM)  # one split's partials
+        gl.store(tile_ws + pid_k * stride, out)
         _cta_barrier()
         arrived = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
         if arrived == split - 1:
-            acc = gl.zeros([BN, BM], gl.float32, ACC)
-            for sk in range(0, split, 4):  # four independent loads per round, summed in split order
-                for i in gl.static_range(4):
-                    acc += gl.load(ws_ptr + (sk + i) * M * N + offs, mask=mask & (sk + i < split),
-                                   other=0.0, cache_modifier=".cg")
+            out = gl.zeros([BN, BM], gl.float32, OUT)
+            whole = split // RED * RED
+            for sk in range(0, whole, RED):  # RED independent loads per round
+                for i in gl.static_range(RED):
+                    out += gl.load(tile_ws + (sk + i) * stride, cache_modifier=".cg")
+            for sk in range(whole, split):
+                out += gl.load(tile_ws + sk * stride, cache_modifier=".cg")
             gl.store(cnt_ptr + pid_n, 0)
-            gl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+            gl.store(y_ptr + y_offs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
     else:
-        gl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        gl.store(y_ptr + y_offs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
-MIN_WEIGHTS = 1 << 25  # N·K below this the Triton kernel is faster (H100, M = 16: qwen_qkv
-# 3584×3584 15.5 against 13.5 µs, llama_kv 13.5 against 10.9; the MLP shapes win)
+MIN_WEIGHTS = 1 << 20  # N·K from which the auto path takes this kernel: it beat the Triton
+# kernel on all 8 benchmark shapes at M = 16, 32 and 64, down to qwen_kv (3584 × 512; H100,
+# session 18); smaller weights were not measured
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One launch's shape: `block_n` weight columns × `block_m` tokens per program, the K groups
+    split over `split` programs, a `stages`-deep TMA ring, `red` partial loads per round of the
+    split-K sum."""
+
+    block_n: int
+    block_m: int
+    split: int
+    stages: int = 2
+    red: int = 4
 
 
 def preferred(p: PackedWNA16) -> bool:
@@ -193,42 +237,58 @@ def preferred(p: PackedWNA16) -> bool:
 
 
 def supports(x: torch.Tensor, p: PackedWNA16) -> bool:
-    """Whether this kernel takes the call: int4 in groups of 128, 2–16 contiguous bf16/fp16
-    token rows with 16-byte aligned starts, N and the padded K multiples of 128, no act-order
-    gather, on an sm_90 GPU."""
+    """Whether this kernel takes the call: int4 in groups of 128, 1–MAX_M contiguous bf16/fp16
+    token rows with 16-byte aligned starts, N a multiple of 64 and the padded K of 128, no
+    act-order gather, on an sm_90 GPU."""
     return ((cuda_capability(x) or (0, 0))[0] == 9
             and p.bits == 4 and p.group_size == GROUP and p.perm is None
-            and x.dtype in (torch.bfloat16, torch.float16) and 2 <= x.shape[0] <= BLOCK_M
+            and x.dtype in (torch.bfloat16, torch.float16) and 1 <= x.shape[0] <= MAX_M
             and x.is_contiguous() and x.data_ptr() % 16 == 0
-            and p.out_features % BLOCK_N == 0 and (p.qweight.shape[0] * 8) % GROUP == 0
+            and p.out_features % min(BLOCK_NS) == 0 and (p.qweight.shape[0] * 8) % GROUP == 0
             and p.in_features % 8 == 0 and p.scales.dtype == x.dtype)
 
 
-def split_for(n: int, groups: int, sms: int) -> int:
-    """Split-K so that about PROGRAMS_PER_SM programs run on every SM, at least 2 groups each."""
-    tiles = n // BLOCK_N
-    return max(1, min(round(PROGRAMS_PER_SM * sms / tiles), groups // 2))
+def split_for(tiles: int, groups: int, sms: int, block_m: int) -> int:
+    """Split-K for SPLIT_TARGET's programs per SM, within its cap and at least 2 groups each."""
+    per_sm, cap = SPLIT_TARGET[block_m]
+    return max(1, min(round(per_sm * sms / tiles), cap, groups // 2))
+
+
+def plan(m: int, n: int, groups: int, sms: int, block_n: int | None = None,
+         split: int | None = None, stages: int = 2, red: int | None = None) -> Plan:
+    """The launch for `[m, K] · [K, n]`: the smallest token tile that holds m; 128 columns
+    at M ≤ 16 where that still gives half an SM's worth of tiles, else 64 (the H100 sweep:
+    64 won or tied everywhere else); the split `split_for` gives; as many partials per round of
+    the sum as fit in 64 registers a thread. Any of them can be forced."""
+    block_m = next(b for b in BLOCK_MS if b >= m)
+    wide = block_m == 16 and n % BLOCK_N == 0 and n // BLOCK_N >= sms // 2
+    block_n = block_n or (BLOCK_N if wide else min(BLOCK_NS))
+    if n % block_n:
+        raise ValueError(f"block_n {block_n} must divide N = {n}")
+    split = split or split_for(n // block_n, groups, sms, block_m)
+    red = red or max(1, min(8, 64 * 128 // (block_n * block_m)))
+    return Plan(block_n, block_m, split, stages, red)
 
 
 @functools.lru_cache(maxsize=None)
-def _shared_layouts(dtype: torch.dtype):
+def _shared_layouts(dtype: torch.dtype, block_n: int, block_m: int):
     half = gl.float16 if dtype == torch.float16 else gl.bfloat16
-    return (gl.NVMMASharedLayout.get_default_for([16, BLOCK_N], gl.int32),
-            gl.NVMMASharedLayout.get_default_for([BLOCK_M, GROUP], half))
+    return (gl.NVMMASharedLayout.get_default_for([16, block_n], gl.int32),
+            gl.NVMMASharedLayout.get_default_for([block_m, GROUP], half))
 
 
-def w4_m16_matmul(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, split: int | None = None,
-                  stages: int = 2) -> torch.Tensor:
+def w4_matmul(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, **forced) -> torch.Tensor:
     """`out [M, N] = x [M, K] · Wᵀ` for the calls `supports` accepts (the TMA boxes read the
-    tokens past M and the k past K, up to the padded K of the weights, as zeros)."""
+    tokens past M and the k past K, up to the padded K of the weights, as zeros). `forced`:
+    any of `plan`'s block_n, split, stages, red."""
     m = x.shape[0]
     n = p.out_features
     groups = p.qweight.shape[0] * 8 // GROUP
-    split = split or split_for(n, groups, sm_count(x.device, 1))
-    w_layout, x_layout = _shared_layouts(x.dtype)
-    w_desc = TensorDescriptor.from_tensor(p.qweight, [16, BLOCK_N], w_layout)
-    x_desc = TensorDescriptor.from_tensor(x, [BLOCK_M, GROUP], x_layout)  # rows ≥ M, k ≥ K read as 0
-    ws, cnt = split_workspaces(x.device, m, n, split)
-    _w4_m16_kernel[(n // BLOCK_N, split)](w_desc, x_desc, p.scales, p.zeros, out, ws, cnt, m, n, groups,
-                                          STAGES=stages, num_warps=4)
+    pl = plan(m, n, groups, sm_count(x.device, 1), **forced)
+    w_layout, x_layout = _shared_layouts(x.dtype, pl.block_n, pl.block_m)
+    w_desc = TensorDescriptor.from_tensor(p.qweight, [16, pl.block_n], w_layout)
+    x_desc = TensorDescriptor.from_tensor(x, [pl.block_m, GROUP], x_layout)  # rows ≥ M, k ≥ K read as 0
+    ws, cnt = split_workspaces(x.device, pl.block_m, n, pl.split)  # whole token tiles
+    _w4_kernel[(n // pl.block_n, pl.split)](w_desc, x_desc, p.scales, p.zeros, out, ws, cnt, m, n, groups,
+                                            STAGES=pl.stages, RED=pl.red, num_warps=4)
     return out

@@ -930,7 +930,7 @@ def _launch(path: str, x: torch.Tensor, p: PackedWNA16, out: torch.Tensor,
     if path == "gemv":
         _launch_gemv(x, p, out, config)
     elif path == "gluon":
-        _gluon().w4_m16_matmul(x, p, out, **(config or {}))
+        _gluon().w4_matmul(x, p, out, **(config or {}))
     elif path == "fused":
         _launch_fused(x, p, out, config)
     else:
@@ -952,7 +952,8 @@ def _auto_path(x: torch.Tensor, p: PackedWNA16) -> str:
     DECODE_MAX_M — its Gluon version on Hopper where it applies and wins (`gluon_wna16`) —,
     dequantize + cuBLAS above. On an H200 the GEMV beat the tensor-core kernel at M = 1 on
     all 16 benchmark cases but one (within 4%), the tensor-core kernel beats it from M = 2
-    (it reads the weights once for all tokens)."""
+    (it reads the weights once for all tokens). The Gluon kernel also lost to the GEMV at
+    M = 1 on an H100 (qwen_down 20.4 against 19.8 µs, qwen_up 19.9 against 19.1)."""
     m = x.shape[0]
     if m > DECODE_MAX_M:
         return "dequant"
@@ -968,7 +969,7 @@ def wna16_matmul(x: torch.Tensor, p: PackedWNA16, impl: str = "auto",
 
     impl: "auto" (see `_auto_path`), "gemv" (alias "fma"; per-channel or groups of whole
     blocks), "fused" (aliases "mid", "tiled": the tensor-core kernel), "gluon" (its Hopper
-    version in `gluon_wna16`; config: split, stages) or "dequant".
+    version in `gluon_wna16`; config: block_n, split, stages, red) or "dequant".
     `config` (meta-parameters, optionally num_warps/num_stages/maxnreg) skips autotuning: with
     impl "auto" it names the tensor-core kernel if it holds BLOCK_M, else the GEMV; the
     tensor-core kernel also takes JOIN (default: int8 under bf16 and the interpreter). Under
@@ -990,7 +991,7 @@ def wna16_matmul(x: torch.Tensor, p: PackedWNA16, impl: str = "auto",
         return out
     path = IMPLS[impl]
     if path == "gluon" and (_gluon() is None or not _gluon().supports(x, p)):
-        raise ValueError("impl 'gluon' takes int4 in groups of 128 at 2 ≤ M ≤ 16 on sm_90 with "
+        raise ValueError("impl 'gluon' takes int4 in groups of 128 at M ≤ 64 on sm_90 with "
                          "Triton's Gluon (see gluon_wna16.supports)")
     if path == "auto":
         path = _auto_path(x, p) if config is None else "fused" if "BLOCK_M" in config else "gemv"

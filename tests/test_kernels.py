@@ -241,50 +241,58 @@ def test_wna16_tma_words_only_where_a_descriptor_exists():
         assert kept and any(c.kwargs["TMA"] for c in kept) == tma_kept
 
 
-# The Gluon kernel (gluon_wna16: int4 g128 at 2 ≤ M ≤ 16 on Hopper) cannot run in the
+# The Gluon kernel (gluon_wna16: int4 g128 at M ≤ 64 on Hopper) cannot run in the
 # interpreter: CPUs compile it for sm_90 (its operand layouts are checked at compile time),
 # GPUs also run it.
 _GLUON_PTX = """
-import json, sys, triton
+import sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon import language as gl
 from quantlab.kernels import gluon_wna16 as g
-half = sys.argv[1]
+half, bn, bm = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 t = {"bfloat16": "bf16", "float16": "fp16"}[half]
-wl = gl.NVMMASharedLayout.get_default_for([16, g.BLOCK_N], gl.int32)
-xl = gl.NVMMASharedLayout.get_default_for([g.BLOCK_M, g.GROUP], getattr(gl, half))
-sig = {"w_desc": f"tensordesc<i32[16, {g.BLOCK_N}],{wl!r}>",
-       "x_desc": f"tensordesc<{t}[{g.BLOCK_M}, {g.GROUP}],{xl!r}>",
+wl = gl.NVMMASharedLayout.get_default_for([16, bn], gl.int32)
+xl = gl.NVMMASharedLayout.get_default_for([bm, g.GROUP], getattr(gl, half))
+sig = {"w_desc": f"tensordesc<i32[16, {bn}],{wl!r}>",
+       "x_desc": f"tensordesc<{t}[{bm}, {g.GROUP}],{xl!r}>",
        "s_ptr": f"*{t}", "z_ptr": f"*{t}", "y_ptr": f"*{t}", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
-       "M": "i32", "N": "i32", "NG": "i32", "STAGES": "constexpr", "num_warps": "constexpr"}
-src = GluonASTSource(g._w4_m16_kernel, sig, constexprs={"STAGES": 2, "num_warps": 4})
+       "M": "i32", "N": "i32", "NG": "i32", "STAGES": "constexpr", "RED": "constexpr",
+       "num_warps": "constexpr"}
+aligned = {(i,): [["tt.divisibility", 16]] for i in (2, 3, 4, 5, 6, 8)}  # as the JIT sees them
+src = GluonASTSource(g._w4_kernel, sig, constexprs={"STAGES": 2, "RED": 4, "num_warps": 4},
+                     attrs=aligned)
 print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"])
 """
 
 
 @needs_triton
-@pytest.mark.parametrize("half", ["bfloat16", "float16"])
-def test_gluon_w4_kernel_compiles_with_register_operands(half):
-    """Compiled for sm_90: each group is 16 wgmma (2 blocks × 4 K = 16 slices × 2 row tiles
-    of 64) whose weight operand comes from registers. The word halves → operand step is a
-    renaming (the kernel asserts it); no operand goes through shared memory: the one shared
-    store is the split counter's broadcast."""
+@pytest.mark.parametrize("half,bn,bm", [("bfloat16", 128, 16), ("float16", 128, 16),
+                                        ("bfloat16", 64, 32), ("float16", 128, 64)])
+def test_gluon_w4_kernel_compiles_with_register_operands(half, bn, bm):
+    """Compiled for sm_90: each group is 2 blocks × 4 K = 8 slices, one wgmma per slice and
+    64-column row tile, whose weight operand comes from registers. The word halves → operand
+    step is a renaming (the kernel asserts it); no operand goes through shared memory: every
+    shared store comes after the last wgmma (the epilogue's layout change and the split
+    counter's broadcast), and the split-K partials move in 16-byte loads."""
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _GLUON_PTX, half], capture_output=True, text=True,
-                         env=env, timeout=300)
+    res = subprocess.run([sys.executable, "-c", _GLUON_PTX, half, str(bn), str(bm)],
+                         capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     ptx = res.stdout
-    assert ptx.count("wgmma.mma_async") == 16
-    assert ptx.count("cp.async.bulk.tensor") >= 2 and ptx.count("st.shared") <= 1
+    assert ptx.count("wgmma.mma_async") == 8 * bn // 64
+    assert f"n{bm}k16" in ptx  # the token tile is wgmma's N
+    assert ptx.count("cp.async.bulk.tensor") >= 2
+    assert ptx.rfind("wgmma.mma_async") < ptx.find("st.shared")
+    assert "ld.global.cg.v4" in ptx and "ld.local" not in ptx
 
 
 @needs_triton
 def test_gluon_w4_path_only_where_it_applies():
-    """The auto path takes the Gluon kernel only for int4 g128 at 2 ≤ M ≤ 16 on sm_90 CUDA
+    """The auto path takes the Gluon kernel only for int4 g128 at M ≤ 64 on sm_90 CUDA
     tensors; asking for it elsewhere says what it needs."""
     from quantlab.kernels import triton_wna16 as tw
 
@@ -297,20 +305,38 @@ def test_gluon_w4_path_only_where_it_applies():
             tw.wna16_matmul(x, p, impl="gluon")
 
 
+@needs_triton
+def test_gluon_w4_plan_picks_tiles_that_fit():
+    """The token tile is the smallest that holds M; 128 columns only at M ≤ 16 with half an
+    SM's worth of such tiles; the split within its cap; a forced column tile must divide N."""
+    g = pytest.importorskip("quantlab.kernels.gluon_wna16")
+    assert g.plan(1, 256, 8, 132).block_m == 16 and g.plan(17, 256, 8, 132).block_m == 32
+    assert g.plan(64, 256, 8, 132).block_m == 64
+    assert g.plan(16, 18944, 28, 132).block_n == 128 and g.plan(16, 3584, 148, 132).block_n == 64
+    assert g.plan(64, 18944, 28, 132).block_n == 64 and g.plan(16, 192, 8, 132).block_n == 64
+    assert g.plan(16, 18944, 28, 132).split == 3  # 444 programs: one wave on 132 SMs
+    assert g.plan(64, 512, 28, 132).split == 8 and g.plan(16, 512, 28, 132).split == 14
+    with pytest.raises(ValueError, match="block_n 128 must divide N = 192"):
+        g.plan(16, 192, 8, 132, block_n=128)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="runs on an sm_90 GPU (compiled for sm_90 on every machine above)")
-@pytest.mark.parametrize("m,dtype,split", [(2, torch.bfloat16, None), (7, torch.float16, 3),
-                                           (16, torch.bfloat16, 2), (16, torch.float16, 1)])
-def test_gluon_w4_kernel_matches_reference(m, dtype, split):
+@pytest.mark.parametrize("m,dtype,config", [
+    (2, torch.bfloat16, None), (7, torch.float16, {"split": 3}), (16, torch.bfloat16, {"split": 2}),
+    (16, torch.float16, {"split": 1}), (1, torch.bfloat16, {"block_n": 64, "red": 8}),
+    (23, torch.bfloat16, {"block_n": 64, "split": 4, "stages": 3}), (64, torch.float16, {"split": 5})])
+def test_gluon_w4_kernel_matches_reference(m, dtype, config):
     """Against the torch reference and the Triton tensor-core kernel: 256 columns, K = 600
-    (padded to 640: the last group reads x's missing columns as zeros), odd token counts, and
-    splits that leave a program without groups (5 groups over 3 splits of 2)."""
+    (padded to 640: the last group reads x's missing columns as zeros), odd token counts in
+    16-, 32- and 64-token tiles, and splits that leave a program without groups (5 groups over
+    3 splits of 2)."""
     from quantlab.kernels import triton_wna16 as tw
 
     p = layout.pack_wna16(canonical(256, 600, 4, 128, seed=m), dtype).to(DEV)
     x = torch.randn(m, 600).to(dtype).to(DEV)
-    assert tw._gluon().supports(x, p) and tw._auto_path(x, p) == "fused"  # a small weight
-    y = tw.wna16_matmul(x, p, impl="gluon", config=None if split is None else {"split": split})
+    assert tw._gluon().supports(x, p) and tw._auto_path(x, p) != "gluon"  # a small weight
+    y = tw.wna16_matmul(x, p, impl="gluon", config=config)
     assert rel_err(y, reference.wna16_mm(x, p)) < TOL[dtype]
     assert rel_err(y, tw.wna16_matmul(x, p, impl="fused")) < TOL[dtype]
 
