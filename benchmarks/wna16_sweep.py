@@ -57,8 +57,9 @@ DEEP_GEMV += [(bn, w, True, True, st) for bn, w in ((256, 1), (512, 2), (1024, 4
 # µs at split 28 against 19.7 for 128 columns at split 32.
 DEEP_GEMV += [(64, 1, True, True, st) for st in (1, 3, 4)]
 GEMV_SPLITS = (2, 4, 8, 16, 32)
+# The Gluon kernel (sm_90, M ≤ 64; gluon_wna16): (block_n, stages, red); split-K is swept
+# over GLUON_SPLITS and the whole-wave splits.
 GLUON_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
-# The Gluon kernel (sm_90, M ≤ 64; gluon_wna16): (block_n, stages, red); split-K is swept.
 GLUON = [(64, 2, 2), (64, 2, 4), (64, 2, 8), (128, 2, 1), (128, 2, 2), (128, 2, 4), (64, 3, 4),
          (64, 4, 4), (128, 3, 4), (128, 4, 4)]
 

@@ -62,8 +62,7 @@ _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 GROUP = 128  # k per group and per iteration: two blocks of 8 int4 word rows
-BLOCK_N = 128  # weight columns per program where N allows (two wgmma row tiles of 64)
-BLOCK_NS = (64, 128)  # the column tiles the kernel takes
+BLOCK_NS = (64, 128)  # weight columns per program: one or two wgmma row tiles of 64
 BLOCK_MS = (16, 32, 64)  # token tiles (wgmma's N): the smallest that holds M is used
 MAX_M = BLOCK_MS[-1]
 # Split-K per token tile: (programs per SM aimed at, most splits). A larger token tile makes
@@ -191,7 +190,7 @@ def _finish(acc, y_ptr, ws_ptr, cnt_ptr, M, N, pid_n, pid_k, split, RED: gl.cons
     cols = gl.arange(0, BN, layout=gl.SliceLayout(1, OUT))
     rows = gl.arange(0, BM, layout=gl.SliceLayout(0, OUT))
     y_offs = gl.expand_dims(rows, 0) * N + gl.expand_dims(pid_n * BN + cols, 1)
-    y_mask = gl.expand_dims(rows < M, 0) & gl.expand_dims(cols < BN, 1)
+    y_mask = gl.expand_dims(rows < M, 0) & gl.expand_dims(cols < BN, 1)  # (cols: the tile's shape)
     if split > 1:
         in_tile = gl.expand_dims(rows, 0) * BN + gl.expand_dims(cols, 1)
         tile_ws = ws_ptr + pid_n * (BN * BM) + in_tile
@@ -227,8 +226,8 @@ class Plan:
     block_n: int
     block_m: int
     split: int
-    stages: int = 2
-    red: int = 4
+    stages: int
+    red: int
 
 
 def preferred(p: PackedWNA16) -> bool:
@@ -244,7 +243,7 @@ def supports(x: torch.Tensor, p: PackedWNA16) -> bool:
             and p.bits == 4 and p.group_size == GROUP and p.perm is None
             and x.dtype in (torch.bfloat16, torch.float16) and 1 <= x.shape[0] <= MAX_M
             and x.is_contiguous() and x.data_ptr() % 16 == 0
-            and p.out_features % min(BLOCK_NS) == 0 and (p.qweight.shape[0] * 8) % GROUP == 0
+            and p.out_features % BLOCK_NS[0] == 0 and (p.qweight.shape[0] * 8) % GROUP == 0
             and p.in_features % 8 == 0 and p.scales.dtype == x.dtype)
 
 
@@ -261,8 +260,9 @@ def plan(m: int, n: int, groups: int, sms: int, block_n: int | None = None,
     64 won or tied everywhere else); the split `split_for` gives; as many partials per round of
     the sum as fit in 64 registers a thread. Any of them can be forced."""
     block_m = next(b for b in BLOCK_MS if b >= m)
-    wide = block_m == 16 and n % BLOCK_N == 0 and n // BLOCK_N >= sms // 2
-    block_n = block_n or (BLOCK_N if wide else min(BLOCK_NS))
+    narrow, wide = BLOCK_NS
+    use_wide = block_m == 16 and n % wide == 0 and n // wide >= sms // 2
+    block_n = block_n or (wide if use_wide else narrow)
     if n % block_n:
         raise ValueError(f"block_n {block_n} must divide N = {n}")
     split = split or split_for(n // block_n, groups, sms, block_m)
