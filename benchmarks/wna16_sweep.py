@@ -57,12 +57,13 @@ DEEP_GEMV += [(bn, w, True, True, st) for bn, w in ((256, 1), (512, 2), (1024, 4
 # µs at split 28 against 19.7 for 128 columns at split 32.
 DEEP_GEMV += [(64, 1, True, True, st) for st in (1, 3, 4)]
 GEMV_SPLITS = (2, 4, 8, 16, 32)
-# The Gluon kernel (sm_90, M ≤ 64; gluon_wna16): (block_n, stages, red); split-K is swept
-# over GLUON_SPLITS and the whole-wave splits.
+# The Gluon kernel (sm_90, M ≤ 64; gluon_wna16): (block_n, stages, red, atomic); split-K is
+# swept over GLUON_SPLITS and the whole-wave splits. `red` only matters for the ordered sum.
 GLUON_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
-GLUON = [(64, 2, 2), (64, 2, 4), (64, 2, 8), (128, 2, 1), (128, 2, 2), (128, 2, 4), (64, 3, 4),
-         (64, 4, 4), (128, 3, 4), (128, 4, 4)]
-
+GLUON = [(64, 2, 2, False), (64, 2, 4, False), (64, 2, 8, False), (128, 2, 1, False),
+         (128, 2, 2, False), (128, 2, 4, False), (64, 3, 4, False), (64, 4, 4, False),
+         (128, 3, 4, False), (128, 4, 4, False)]
+GLUON += [(bn, st, 1, True) for bn in (64, 128) for st in (2, 3)]
 
 def configs(m: int, nblk: int, deep: str | None = None, n: int = 1,
             sms: int = 132) -> list[tuple[str, dict]]:
@@ -84,8 +85,8 @@ def configs(m: int, nblk: int, deep: str | None = None, n: int = 1,
                 for sk in (splits(SPLITS, -(-n // bn) * -(-m // bm)) if m <= 64 else (1,))
                 if sk == 1 or nblk // u >= 2 * sk]
     if m <= 64 and torch.cuda.get_device_capability()[0] == 9:
-        out += [("gluon", dict(block_n=bn, split=sk, stages=st, red=red))
-                for bn, st, red in GLUON if n % bn == 0
+        out += [("gluon", dict(block_n=bn, split=sk, stages=st, red=red, atomic=atomic))
+                for bn, st, red, atomic in GLUON if n % bn == 0
                 for sk in splits(GLUON_SPLITS, n // bn) if sk <= nblk // 2]
     if m == 1:
         gemv = {"": GEMV, "add": GEMV + DEEP_GEMV, "only": DEEP_GEMV}[deep or ""]
@@ -103,6 +104,8 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--top", type=int, default=6)
     ap.add_argument("--impls", default="", help="only these kernels, e.g. gemv (default: all)")
+    ap.add_argument("--gluon-sum", choices=["atomic", "ordered"], default=None,
+                    help="only the Gluon configs with this split-K sum (default: both)")
     ap.add_argument("--deep", choices=["add", "only"], default=None,
                     help="also (add) or only (only) the deeper-pipeline configs DEEP_*")
     args = ap.parse_args()
@@ -123,7 +126,8 @@ def main() -> None:
             ref = reference.wna16_mm(x, case.w4)
             case.setup_tinygemm(x, ref)
             base = {"bf16": bench(graphed(lambda: F.linear(x, case.w)))}
-            if m > 1:  # the Triton tensor-core kernel, autotuned (auto may take the Gluon one)
+            if m > 1 and (not args.impls or "fused" in args.impls):
+                # the Triton tensor-core kernel, autotuned (auto may take the Gluon one)
                 base["fused"] = bench(graphed(lambda: wna16_matmul(x, case.w4, impl="fused")))
             if m > 64:
                 base["dequant"] = bench(graphed(lambda: wna16_matmul(x, case.w4, impl="dequant")))
@@ -135,6 +139,8 @@ def main() -> None:
             nblk = case.w4.qweight.shape[0] // 8
             for impl, cfg in configs(m, nblk, args.deep, n, dev.multi_processor_count):
                 if args.impls and impl not in args.impls.split(","):
+                    continue
+                if impl == "gluon" and args.gluon_sum and cfg["atomic"] != (args.gluon_sum == "atomic"):
                     continue
                 fn = lambda impl=impl, cfg=cfg: wna16_matmul(x, case.w4, impl=impl, config=cfg)  # noqa: E731
                 try:

@@ -19,20 +19,25 @@ occupancy (Nsight Compute, H100, M = 16). Here the layouts are chosen:
   half type), then one wgmma per K = 16 slice reads the activations straight from their TMA
   buffer (a 16-column view of a 128B-swizzled `[BM, 128]` tile).
 * Scales and zeros are loaded per thread in the slice layouts they are used in, a group
-  ahead. Split-K partials are summed by the last program to arrive, in split order
-  (deterministic), as in `split_k`, but moved in a layout of 4 columns per thread (`_finish`).
+  ahead.
+* Split-K partials move in a layout of 4 columns per thread (`_finish`). Each program adds
+  its partial into a float32 accumulator per tile with 16-byte vector atomics, and the last
+  program to arrive (a counter, as in `split_k`) writes the tile. Addition in arrival order
+  is not deterministic, so under `torch.use_deterministic_algorithms(True)` the partials are
+  stored instead and the last program sums them in split order. That ordered sum cost qwen_down
+  about 2.8 µs at M = 16 (128 columns, split 14): its last program reads 112 KB of partials.
 
 One group of 128 k (two blocks of 8 word rows) per iteration through a STAGES-deep ring of
 TMA buffers. Tiles: 16, 32 or 64 tokens (wgmma's N), 64 or 128 weight columns; `plan` picks
 them and the split. Scope: int4 with groups of 128, bf16/fp16 activations, N a multiple of
 64, the padded K of 128, M ≤ 64, sm_90.
 
-Measured on an H100 (session 18, `benchmarks/gemm.py --ms 1,16,64`, through the auto path; the
-Triton kernel forced in the same run in parentheses): qwen_up M = 16 20.7 µs = 2.66× bf16
-cuBLAS (24.6), qwen_down 22.9 µs = 2.39× (24.4); at M = 64 every benchmark shape is faster
-than bf16 (1.02× on qwen_kv to 1.93× on qwen_down; the Triton kernel was 0.86–0.98× on the
-attention shapes). The sum's layout matters at M = 64: read in wgmma's layout (a thread's
-values N apart, 4-byte loads) each split cost about 1 µs, and qwen_down took 33.6 µs at
+Measured on an H100 through the auto path (session 19, `benchmarks/gemm.py --ms 1,16,64`,
+atomic sums): qwen_up M = 16 20.6 µs = 2.56× bf16 cuBLAS, qwen_down 19.7 µs = 2.66× (22.9 µs
+with the ordered sum in session 18). At M = 64 every benchmark shape is faster than bf16,
+1.13× on qwen_qkv to 2.00× on qwen_down; the Triton kernel was 0.86–0.98× on the attention
+shapes. The layout matters for the ordered sum at M = 64: read in wgmma's layout (a thread's
+values N apart, 4-byte loads), each split cost about 1 µs, and qwen_down took 33.6 µs at
 split 16 against 28.5 at split 7.
 """
 
@@ -54,7 +59,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from quantlab.kernels.layout import PackedWNA16
 from quantlab.kernels.ops import cuda_capability, sm_count
-from quantlab.kernels.split_k import split_workspaces
+from quantlab.kernels.split_k import split_accumulators, split_workspaces
 
 # Names that moved between Triton releases: the CTA barrier (`thread_barrier` in 3.6,
 # `barrier` later) and the TMA load (`async_copy_global_to_shared`, later `async_load`).
@@ -65,10 +70,29 @@ GROUP = 128  # k per group and per iteration: two blocks of 8 int4 word rows
 BLOCK_NS = (64, 128)  # weight columns per program: one or two wgmma row tiles of 64
 BLOCK_MS = (16, 32, 64)  # token tiles (wgmma's N): the smallest that holds M is used
 MAX_M = BLOCK_MS[-1]
-# Split-K per token tile: (programs per SM aimed at, most splits). A larger token tile makes
-# each partial larger, so the sum at the end costs more per split (H100 sweep, session 18:
-# at M = 64 qwen_down ran 28.5 µs at split 7, 33.6 at 16; at M = 16, 22.7 and 22.0).
-SPLIT_TARGET = {16: (3.4, 16), 32: (4, 12), 64: (3, 8)}
+
+
+@dataclass(frozen=True)
+class TileRule:
+    """How `plan` sizes the grid for one token tile: split K so that about `per_sm` programs
+    run per SM, at most `cap` splits of at least `min_groups` groups each; take 128 columns
+    (N permitting) where those tiles still give `wide_share` of that many programs, else 64
+    (None: always 64)."""
+
+    per_sm: float
+    cap: int
+    wide_share: float | None
+    min_groups: int = 2
+
+
+# Per way of summing the split-K partials and token tile, fitted to H100 sweeps of all eight
+# benchmark shapes (`benchmarks/wna16_sweep.py`; session 18 for the ordered sum, session 19
+# for the atomic one). The ordered sum reads every partial in the last program, so it favours
+# fewer, smaller partials (at M = 64 qwen_down ran 28.5 µs at split 7, 33.6 at 16); the
+# atomic one reads one tile whatever the split.
+RULES = {"ordered": {16: TileRule(3.4, 16, 0.75, 3), 32: TileRule(4, 12, None),
+                     64: TileRule(3, 8, None)},
+         "atomic": {16: TileRule(3, 16, 0.5), 32: TileRule(2.5, 16, 0.5), 64: TileRule(3, 12, None)}}
 
 # `(w & 0x000F000F) | magic` is the half pair `magic + q`; one packed FMA with `-(magic + z)`
 # gives the exact `q − z` (magic 128 for bf16, 1024 for fp16); the pair leaves as two halves.
@@ -113,7 +137,8 @@ def _zero_pairs(z, FP16: gl.constexpr):
 
 @gluon.jit
 def _w4_kernel(w_desc, x_desc, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, NG,
-               STAGES: gl.constexpr, RED: gl.constexpr, num_warps: gl.constexpr):
+               STAGES: gl.constexpr, RED: gl.constexpr, ATOMIC: gl.constexpr,
+               num_warps: gl.constexpr):
     """One `[BN, BM]` tile of Yᵀ over the split `program_id(1)` of the K groups; see the
     module docstring."""
     BN: gl.constexpr = w_desc.block_type.shape[1]
@@ -171,17 +196,20 @@ def _w4_kernel(w_desc, x_desc, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, NG,
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
-    _finish(acc, y_ptr, ws_ptr, cnt_ptr, M, N, pid_n, pid_k, split, RED)
+    _finish(acc, y_ptr, ws_ptr, cnt_ptr, M, N, pid_n, pid_k, split, RED, ATOMIC)
 
 
 @gluon.jit
-def _finish(acc, y_ptr, ws_ptr, cnt_ptr, M, N, pid_n, pid_k, split, RED: gl.constexpr):
-    """Write the tile `acc [BN, BM]` (weight columns × tokens) to `y [M, N]`; split, store it
-    as this program's partial and, if this program arrives last, sum every partial in split
-    order first (deterministic). In a layout of 4 consecutive columns per thread: the stores to
-    y and the partials' loads are 16-byte, coalesced along N (in wgmma's layout each thread
-    holds pairs of tokens, N elements apart: at M = 64 the sum was bound by load count). The
-    partials sit tile by tile, whole `[BM, BN]` blocks, so they need no mask."""
+def _finish(acc, y_ptr, ws_ptr, cnt_ptr, M, N, pid_n, pid_k, split, RED: gl.constexpr,
+            ATOMIC: gl.constexpr):
+    """Write the tile `acc [BN, BM]` (weight columns × tokens) to `y [M, N]`. Split, each
+    program adds its partial into the tile's float32 accumulator (ATOMIC: order of arrival) or
+    stores it (else), and the program arriving last writes y: from the accumulator, which it
+    zeroes for the next call, or from every stored partial summed in split order
+    (deterministic). In a layout of 4 consecutive columns per thread: stores, loads and the
+    atomic adds are 16-byte, coalesced along N (in wgmma's layout each thread holds pairs of
+    tokens, N elements apart: at M = 64 the ordered sum was bound by load count). Partials and
+    accumulators sit tile by tile, whole `[BM, BN]` blocks, so they need no mask."""
     BN: gl.constexpr = acc.shape[0]
     BM: gl.constexpr = acc.shape[1]
     TN: gl.constexpr = 32 if BN >= 128 else BN // 4
@@ -195,21 +223,36 @@ def _finish(acc, y_ptr, ws_ptr, cnt_ptr, M, N, pid_n, pid_k, split, RED: gl.cons
         in_tile = gl.expand_dims(rows, 0) * BN + gl.expand_dims(cols, 1)
         tile_ws = ws_ptr + pid_n * (BN * BM) + in_tile
         stride = gl.num_programs(0) * (BN * BM)  # one split's partials
-        gl.store(tile_ws + pid_k * stride, out)
+        if ATOMIC:
+            gl.atomic_add(tile_ws, out, sem="relaxed")
+        else:
+            gl.store(tile_ws + pid_k * stride, out)
         _cta_barrier()
         arrived = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
         if arrived == split - 1:
-            out = gl.zeros([BN, BM], gl.float32, OUT)
-            whole = split // RED * RED
-            for sk in range(0, whole, RED):  # RED independent loads per round
-                for i in gl.static_range(RED):
-                    out += gl.load(tile_ws + (sk + i) * stride, cache_modifier=".cg")
-            for sk in range(whole, split):
-                out += gl.load(tile_ws + sk * stride, cache_modifier=".cg")
+            if ATOMIC:
+                out = gl.load(tile_ws, cache_modifier=".cg")
+                gl.store(tile_ws, gl.zeros_like(out))
+            else:
+                out = _ordered_sum(tile_ws, stride, split, RED, OUT, BN, BM)
             gl.store(cnt_ptr + pid_n, 0)
             gl.store(y_ptr + y_offs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
     else:
         gl.store(y_ptr + y_offs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+@gluon.jit
+def _ordered_sum(tile_ws, stride, split, RED: gl.constexpr, L: gl.constexpr, BN: gl.constexpr,
+                 BM: gl.constexpr):
+    """Every split's stored partial of a tile, summed in split order, RED loads per round."""
+    out = gl.zeros([BN, BM], gl.float32, L)
+    whole = split // RED * RED
+    for sk in range(0, whole, RED):  # RED independent loads per round
+        for i in gl.static_range(RED):
+            out += gl.load(tile_ws + (sk + i) * stride, cache_modifier=".cg")
+    for sk in range(whole, split):
+        out += gl.load(tile_ws + sk * stride, cache_modifier=".cg")
+    return out
 
 
 MIN_WEIGHTS = 1 << 20  # N·K from which the auto path takes this kernel: it beat the Triton
@@ -220,14 +263,15 @@ MIN_WEIGHTS = 1 << 20  # N·K from which the auto path takes this kernel: it bea
 @dataclass(frozen=True)
 class Plan:
     """One launch's shape: `block_n` weight columns × `block_m` tokens per program, the K groups
-    split over `split` programs, a `stages`-deep TMA ring, `red` partial loads per round of the
-    split-K sum."""
+    split over `split` programs, a `stages`-deep TMA ring; the split-K partials added
+    atomically (`atomic`), or stored and summed in split order, `red` loads per round."""
 
     block_n: int
     block_m: int
     split: int
     stages: int
     red: int
+    atomic: bool
 
 
 def preferred(p: PackedWNA16) -> bool:
@@ -247,27 +291,33 @@ def supports(x: torch.Tensor, p: PackedWNA16) -> bool:
             and p.in_features % 8 == 0 and p.scales.dtype == x.dtype)
 
 
-def split_for(tiles: int, groups: int, sms: int, block_m: int) -> int:
-    """Split-K for SPLIT_TARGET's programs per SM, within its cap and at least 2 groups each."""
-    per_sm, cap = SPLIT_TARGET[block_m]
-    return max(1, min(round(per_sm * sms / tiles), cap, groups // 2))
+def split_for(tiles: int, groups: int, sms: int, rule: TileRule) -> int:
+    """The split that puts about `rule.per_sm` programs on each SM, within the rule's cap and
+    group minimum."""
+    return max(1, min(round(rule.per_sm * sms / tiles), rule.cap, groups // rule.min_groups))
 
 
 def plan(m: int, n: int, groups: int, sms: int, block_n: int | None = None,
-         split: int | None = None, stages: int = 2, red: int | None = None) -> Plan:
-    """The launch for `[m, K] · [K, n]`: the smallest token tile that holds m; 128 columns
-    at M ≤ 16 where that still gives half an SM's worth of tiles, else 64 (the H100 sweep:
-    64 won or tied everywhere else); the split `split_for` gives; as many partials per round of
-    the sum as fit in 64 registers a thread. Any of them can be forced."""
+         split: int | None = None, stages: int = 2, red: int | None = None,
+         atomic: bool | None = None) -> Plan:
+    """The launch for `[m, K] · [K, n]`: the smallest token tile that holds m; atomic adds of
+    the partials unless torch is asked for deterministic algorithms; 128 or 64 columns and
+    the split by RULES; for the ordered sum, as many partials per round as fit in 64
+    registers a thread. Any of them can be forced."""
     block_m = next(b for b in BLOCK_MS if b >= m)
+    atomic = not torch.are_deterministic_algorithms_enabled() if atomic is None else atomic
+    rule = RULES["atomic" if atomic else "ordered"][block_m]
     narrow, wide = BLOCK_NS
-    use_wide = block_m == 16 and n % wide == 0 and n // wide >= sms // 2
-    block_n = block_n or (wide if use_wide else narrow)
+    if block_n is None:
+        wide_programs = n // wide * split_for(n // wide, groups, sms, rule)
+        use_wide = (rule.wide_share is not None and n % wide == 0
+                    and wide_programs >= rule.wide_share * rule.per_sm * sms)
+        block_n = wide if use_wide else narrow
     if n % block_n:
         raise ValueError(f"block_n {block_n} must divide N = {n}")
-    split = split or split_for(n // block_n, groups, sms, block_m)
+    split = split or split_for(n // block_n, groups, sms, rule)
     red = red or max(1, min(8, 64 * 128 // (block_n * block_m)))
-    return Plan(block_n, block_m, split, stages, red)
+    return Plan(block_n, block_m, split, stages, red, atomic)
 
 
 @functools.lru_cache(maxsize=None)
@@ -280,7 +330,7 @@ def _shared_layouts(dtype: torch.dtype, block_n: int, block_m: int):
 def w4_matmul(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, **forced) -> torch.Tensor:
     """`out [M, N] = x [M, K] · Wᵀ` for the calls `supports` accepts (the TMA boxes read the
     tokens past M and the k past K, up to the padded K of the weights, as zeros). `forced`:
-    any of `plan`'s block_n, split, stages, red."""
+    any of `plan`'s block_n, split, stages, red, atomic."""
     m = x.shape[0]
     n = p.out_features
     groups = p.qweight.shape[0] * 8 // GROUP
@@ -288,7 +338,11 @@ def w4_matmul(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, **forced) -> t
     w_layout, x_layout = _shared_layouts(x.dtype, pl.block_n, pl.block_m)
     w_desc = TensorDescriptor.from_tensor(p.qweight, [16, pl.block_n], w_layout)
     x_desc = TensorDescriptor.from_tensor(x, [pl.block_m, GROUP], x_layout)  # rows ≥ M, k ≥ K read as 0
-    ws, cnt = split_workspaces(x.device, pl.block_m, n, pl.split)  # whole token tiles
+    if pl.atomic and pl.split > 1:
+        ws, cnt = split_accumulators(x.device, pl.block_m, n)  # whole token tiles
+    else:
+        ws, cnt = split_workspaces(x.device, pl.block_m, n, pl.split)
     _w4_kernel[(n // pl.block_n, pl.split)](w_desc, x_desc, p.scales, p.zeros, out, ws, cnt, m, n, groups,
-                                            STAGES=pl.stages, RED=pl.red, num_warps=4)
+                                            STAGES=pl.stages, RED=pl.red, ATOMIC=pl.atomic,
+                                            num_warps=4)
     return out

@@ -6,6 +6,10 @@ Each split writes its partial tile into a float32 workspace; a counter per outpu
 the last program to arrive, which sums the partials in split order (deterministic, unlike
 atomic adds) and resets the counter — no memset per call, and CUDA-graph replays stay
 correct. One workspace per device: calls on different streams must not overlap.
+
+The Gluon W4A16 kernel (`gluon_wna16`) adds its partials atomically instead, into
+accumulators that the program completing a tile zeroes (`split_accumulators`), unless torch
+is in deterministic mode.
 """
 
 from __future__ import annotations
@@ -89,14 +93,19 @@ def _arrive(acc, ws_ptrs, MN, mask, cnt_ptr, tile, pid_k, split_k,
 _WORKSPACE: dict[tuple, torch.Tensor] = {}
 
 
-def workspace(device: torch.device, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A buffer per device and dtype, grown on demand (the counters are zero between calls)."""
-    key = (str(device), dtype)
+def workspace(device: torch.device, numel: int, dtype: torch.dtype, kind: str = "partials") -> torch.Tensor:
+    """A buffer per device, dtype and kind, grown on demand (the counters are zero between
+    calls, and so are the "sums" accumulators)."""
+    key = (str(device), dtype, kind)
     buf = _WORKSPACE.get(key)
     if buf is None or buf.numel() < numel:
         buf = torch.zeros(max(numel, 1 << 16), dtype=dtype, device=device)
         _WORKSPACE[key] = buf
     return buf
+
+
+def _counters(device: torch.device, m: int, n: int) -> torch.Tensor:
+    return workspace(device, m * triton.cdiv(n, 16) + 1, torch.int32)  # tiles ≥ 16 columns
 
 
 def split_workspaces(device: torch.device, m: int, n: int,
@@ -106,6 +115,11 @@ def split_workspaces(device: torch.device, m: int, n: int,
     must not grow them (M = 8192 × N = 37888 would be 78 MB of counters)."""
     if max_split <= 1:
         return workspace(device, 1, torch.float32), workspace(device, 1, torch.int32)
-    ws = workspace(device, max_split * m * n, torch.float32)
-    cnt = workspace(device, m * triton.cdiv(n, 16) + 1, torch.int32)
-    return ws, cnt
+    return workspace(device, max_split * m * n, torch.float32), _counters(device, m, n)
+
+
+def split_accumulators(device: torch.device, m: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For splits that add their partials atomically: a float32 accumulator per output
+    (`m·n`), zero between calls — the program completing a tile zeroes it after reading —,
+    apart from the partials (which other kernels leave dirty), and the counters."""
+    return workspace(device, m * n, torch.float32, "sums"), _counters(device, m, n)

@@ -10,6 +10,7 @@ tests are reported as skipped with that reason, and the reference/layout tests s
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 
@@ -250,7 +251,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon import language as gl
 from quantlab.kernels import gluon_wna16 as g
-half, bn, bm = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+half, bn, bm, atomic = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 t = {"bfloat16": "bf16", "float16": "fp16"}[half]
 wl = gl.NVMMASharedLayout.get_default_for([16, bn], gl.int32)
 xl = gl.NVMMASharedLayout.get_default_for([bm, g.GROUP], getattr(gl, half))
@@ -258,28 +259,31 @@ sig = {"w_desc": f"tensordesc<i32[16, {bn}],{wl!r}>",
        "x_desc": f"tensordesc<{t}[{bm}, {g.GROUP}],{xl!r}>",
        "s_ptr": f"*{t}", "z_ptr": f"*{t}", "y_ptr": f"*{t}", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
        "M": "i32", "N": "i32", "NG": "i32", "STAGES": "constexpr", "RED": "constexpr",
-       "num_warps": "constexpr"}
+       "ATOMIC": "constexpr", "num_warps": "constexpr"}
 aligned = {(i,): [["tt.divisibility", 16]] for i in (2, 3, 4, 5, 6, 8)}  # as the JIT sees them
-src = GluonASTSource(g._w4_kernel, sig, constexprs={"STAGES": 2, "RED": 4, "num_warps": 4},
-                     attrs=aligned)
+src = GluonASTSource(g._w4_kernel, sig, attrs=aligned,
+                     constexprs={"STAGES": 2, "RED": 4, "ATOMIC": atomic, "num_warps": 4})
 print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"])
 """
 
 
 @needs_triton
-@pytest.mark.parametrize("half,bn,bm", [("bfloat16", 128, 16), ("float16", 128, 16),
-                                        ("bfloat16", 64, 32), ("float16", 128, 64)])
-def test_gluon_w4_kernel_compiles_with_register_operands(half, bn, bm):
+@pytest.mark.parametrize("half,bn,bm,atomic", [
+    ("bfloat16", 128, 16, False), ("float16", 128, 16, True), ("bfloat16", 64, 32, True),
+    ("float16", 128, 64, False), ("bfloat16", 64, 64, True)])
+def test_gluon_w4_kernel_compiles_with_register_operands(half, bn, bm, atomic):
     """Compiled for sm_90: each group is 2 blocks × 4 K = 8 slices, one wgmma per slice and
     64-column row tile, whose weight operand comes from registers. The word halves → operand
     step is a renaming (the kernel asserts it); no operand goes through shared memory: every
     shared store comes after the last wgmma (the epilogue's layout change and the split
-    counter's broadcast), and the split-K partials move in 16-byte loads."""
+    counter's broadcast). The split-K partials move 16 bytes at a time: stored and loaded
+    back, or added by vector atomics (`red/atom ... add.v4.f32`, one per 4 columns) whose sum is
+    loaded once."""
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _GLUON_PTX, half, str(bn), str(bm)],
+    res = subprocess.run([sys.executable, "-c", _GLUON_PTX, half, str(bn), str(bm), str(int(atomic))],
                          capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     ptx = res.stdout
@@ -288,6 +292,8 @@ def test_gluon_w4_kernel_compiles_with_register_operands(half, bn, bm):
     assert ptx.count("cp.async.bulk.tensor") >= 2
     assert ptx.rfind("wgmma.mma_async") < ptx.find("st.shared")
     assert "ld.global.cg.v4" in ptx and "ld.local" not in ptx
+    vector_adds = len(re.findall(r"(?:red|atom)\.global\S*\.add\.v4\.f32", ptx))  # atom: Triton 3.6
+    assert vector_adds == (bn * bm // (4 * 128) if atomic else 0)  # 4 columns a thread, 128 threads
 
 
 @needs_triton
@@ -307,15 +313,32 @@ def test_gluon_w4_path_only_where_it_applies():
 
 @needs_triton
 def test_gluon_w4_plan_picks_tiles_that_fit():
-    """The token tile is the smallest that holds M; 128 columns only at M ≤ 16 with half an
-    SM's worth of such tiles; the split within its cap; a forced column tile must divide N."""
+    """The token tile is the smallest that holds M; the partials are added atomically unless
+    torch is in deterministic mode; 128 columns where they still give enough programs, the
+    split for about 3 programs per SM within its cap; a forced column tile must divide N."""
     g = pytest.importorskip("quantlab.kernels.gluon_wna16")
+
+    def grid(pl):
+        return pl.block_n, pl.block_m, pl.split
+
     assert g.plan(1, 256, 8, 132).block_m == 16 and g.plan(17, 256, 8, 132).block_m == 32
     assert g.plan(64, 256, 8, 132).block_m == 64
-    assert g.plan(16, 18944, 28, 132).block_n == 128 and g.plan(16, 3584, 148, 132).block_n == 64
-    assert g.plan(64, 18944, 28, 132).block_n == 64 and g.plan(16, 192, 8, 132).block_n == 64
-    assert g.plan(16, 18944, 28, 132).split == 3  # 444 programs: one wave on 132 SMs
-    assert g.plan(64, 512, 28, 132).split == 8 and g.plan(16, 512, 28, 132).split == 14
+    assert g.plan(16, 256, 8, 132).atomic
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not g.plan(16, 256, 8, 132).atomic
+    finally:
+        torch.use_deterministic_algorithms(False)
+    # qwen_down (K = 18944: 148 groups): 28 tiles of 128 × 14 = 392 programs, 3 per SM
+    assert g.plan(16, 3584, 148, 132, atomic=True) == g.Plan(128, 16, 14, 2, 4, True)
+    assert g.plan(64, 3584, 148, 132, atomic=True) == g.Plan(64, 64, 7, 2, 2, True)
+    assert g.plan(16, 18944, 28, 132, atomic=True).split == 3  # qwen_up: 148 tiles × 3
+    # 4 tiles of 128 would give 4 × 14 programs: 64 columns; the split at 2 groups each
+    assert grid(g.plan(16, 512, 28, 132, atomic=True)) == (64, 16, 14)
+    # the ordered sum: at least 3 groups a split at M ≤ 16, 64 columns from 32 tokens
+    assert grid(g.plan(16, 3584, 28, 132, atomic=False)) == (64, 16, 8)
+    assert g.plan(32, 3584, 148, 132, atomic=False).block_n == 64
+    assert g.plan(16, 192, 8, 132).block_n == 64  # N not a multiple of 128
     with pytest.raises(ValueError, match="block_n 128 must divide N = 192"):
         g.plan(16, 192, 8, 132, block_n=128)
 
@@ -323,15 +346,18 @@ def test_gluon_w4_plan_picks_tiles_that_fit():
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="runs on an sm_90 GPU (compiled for sm_90 on every machine above)")
 @pytest.mark.parametrize("m,dtype,config", [
-    (2, torch.bfloat16, None), (7, torch.float16, {"split": 3}), (16, torch.bfloat16, {"split": 2}),
-    (16, torch.float16, {"split": 1}), (1, torch.bfloat16, {"block_n": 64, "red": 8}),
-    (23, torch.bfloat16, {"block_n": 64, "split": 4, "stages": 3}), (64, torch.float16, {"split": 5})])
+    (2, torch.bfloat16, None), (7, torch.float16, {"split": 3, "atomic": False}),
+    (16, torch.bfloat16, {"split": 2}), (16, torch.float16, {"split": 1}),
+    (1, torch.bfloat16, {"block_n": 64, "red": 8, "atomic": False}),
+    (23, torch.bfloat16, {"block_n": 64, "split": 4, "stages": 3}),
+    (64, torch.float16, {"split": 5, "atomic": False}), (64, torch.bfloat16, {"split": 5})])
 def test_gluon_w4_kernel_matches_reference(m, dtype, config):
     """Against the torch reference and the Triton tensor-core kernel: 256 columns, K = 600
     (padded to 640: the last group reads x's missing columns as zeros), odd token counts in
-    16-, 32- and 64-token tiles, and splits that leave a program without groups (5 groups over
-    3 splits of 2)."""
-    from quantlab.kernels import triton_wna16 as tw
+    16-, 32- and 64-token tiles, splits that leave a program without groups (5 groups over
+    3 splits of 2), partials summed in order or added atomically — whose accumulators the
+    call leaves zero for the next."""
+    from quantlab.kernels import split_k, triton_wna16 as tw
 
     p = layout.pack_wna16(canonical(256, 600, 4, 128, seed=m), dtype).to(DEV)
     x = torch.randn(m, 600).to(dtype).to(DEV)
@@ -339,6 +365,29 @@ def test_gluon_w4_kernel_matches_reference(m, dtype, config):
     y = tw.wna16_matmul(x, p, impl="gluon", config=config)
     assert rel_err(y, reference.wna16_mm(x, p)) < TOL[dtype]
     assert rel_err(y, tw.wna16_matmul(x, p, impl="fused")) < TOL[dtype]
+    sums = split_k.workspace(x.device, 1, torch.float32, "sums")
+    assert not sums.any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="runs on an sm_90 GPU (compiled for sm_90 on every machine above)")
+def test_gluon_w4_kernel_is_deterministic_when_torch_asks():
+    """Under `torch.use_deterministic_algorithms(True)` the split-K partials are summed in
+    split order: repeated calls agree bit for bit (the atomic adds need not), and with the
+    atomic ones up to float32 rounding."""
+    from quantlab.kernels import triton_wna16 as tw
+
+    p = layout.pack_wna16(canonical(512, 4096, 4, 128, seed=5), torch.bfloat16).to(DEV)
+    x = torch.randn(16, 4096).bfloat16().to(DEV)
+    config = {"split": 16}
+    torch.use_deterministic_algorithms(True)
+    try:
+        ys = [tw.wna16_matmul(x, p, impl="gluon", config=config) for _ in range(5)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(ys[0], y) for y in ys[1:])
+    y_atomic = tw.wna16_matmul(x, p, impl="gluon", config=config)
+    assert rel_err(y_atomic, ys[0]) < 1e-3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
@@ -861,7 +910,7 @@ def test_wna16_split_k_counters_are_left_clean(impl, cfg):
         x = torch.randn(2, 384, generator=torch.Generator().manual_seed(seed)).half().to(DEV)
         y = tw.wna16_matmul(x, p, impl=impl, config=cfg)
         assert rel_err(y, reference.wna16_mm(x, p)) < TOL[torch.float16]
-    assert not split_k._WORKSPACE[(str(x.device), torch.int32)].any()
+    assert not split_k._WORKSPACE[(str(x.device), torch.int32, "partials")].any()
 
 
 @needs_triton
@@ -920,7 +969,7 @@ def test_fp8_kernel_matches_reference(per_row, mode):
         y = fp8_matmul(xq, sx, p, torch.bfloat16, config=_scaled_config(mode), out=out)
         assert rel_err(y, reference.fp8_mm(xq, sx, p, torch.bfloat16)) < TOL[torch.bfloat16]
     if mode != "tile":
-        assert not split_k._WORKSPACE[(str(xq.device), torch.int32)].any()
+        assert not split_k._WORKSPACE[(str(xq.device), torch.int32, "partials")].any()
 
 
 @needs_triton
