@@ -59,7 +59,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from quantlab.kernels.layout import PackedWNA16
 from quantlab.kernels.ops import cuda_capability, sm_count
-from quantlab.kernels.split_k import split_accumulators, split_workspaces
+from quantlab.kernels.split_k import atomic_sums, split_accumulators, split_workspaces
 
 # Names that moved between Triton releases: the CTA barrier (`thread_barrier` in 3.6,
 # `barrier` later) and the TMA load (`async_copy_global_to_shared`, later `async_load`).
@@ -305,7 +305,7 @@ def plan(m: int, n: int, groups: int, sms: int, block_n: int | None = None,
     the split by RULES; for the ordered sum, as many partials per round as fit in 64
     registers a thread. Any of them can be forced."""
     block_m = next(b for b in BLOCK_MS if b >= m)
-    atomic = not torch.are_deterministic_algorithms_enabled() if atomic is None else atomic
+    atomic = atomic_sums() if atomic is None else atomic
     rule = RULES["atomic" if atomic else "ordered"][block_m]
     narrow, wide = BLOCK_NS
     if block_n is None:

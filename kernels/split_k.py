@@ -7,9 +7,10 @@ the last program to arrive, which sums the partials in split order (deterministi
 atomic adds) and resets the counter — no memset per call, and CUDA-graph replays stay
 correct. One workspace per device: calls on different streams must not overlap.
 
-The Gluon W4A16 kernel (`gluon_wna16`) adds its partials atomically instead, into
-accumulators that the program completing a tile zeroes (`split_accumulators`), unless torch
-is in deterministic mode.
+The M = 1 GEMV (`triton_wna16`, without a fused epilogue) and the Gluon W4A16 kernel
+(`gluon_wna16`) add their partials atomically instead (`ATOMIC`), into accumulators that the
+program completing a tile zeroes (`split_accumulators`), unless torch is in deterministic
+mode (`atomic_sums`).
 """
 
 from __future__ import annotations
@@ -42,27 +43,33 @@ def largest_split(prune, configs, device: torch.device, **shape) -> int:
 
 @triton.jit
 def split_total(acc, ws_ptrs, MN, mask, cnt_ptr, tile, pid_k, split_k,
-                ONE_LOAD: tl.constexpr = False, SPLIT_P2: tl.constexpr = 1):
+                ONE_LOAD: tl.constexpr = False, SPLIT_P2: tl.constexpr = 1,
+                ATOMIC: tl.constexpr = False):
     """(Whether this program completes its tile, the tile's sum): unsplit, `acc` itself with
     nothing stored; else `_arrive`'s."""
     last = pid_k == 0
     total = acc
     if split_k > 1:
         last, total = _arrive(acc, ws_ptrs, MN, mask, cnt_ptr, tile, pid_k, split_k, ONE_LOAD,
-                              SPLIT_P2)
+                              SPLIT_P2, ATOMIC)
     return last, total
 
 
 @triton.jit
 def _arrive(acc, ws_ptrs, MN, mask, cnt_ptr, tile, pid_k, split_k,
-            ONE_LOAD: tl.constexpr, SPLIT_P2: tl.constexpr):
+            ONE_LOAD: tl.constexpr, SPLIT_P2: tl.constexpr, ATOMIC: tl.constexpr):
     """Store this split's partial `acc` (float32 or int32, kept exact through a bitcast) at
     `ws_ptrs + pid_k·MN`; returns (whether this program arrived last, the sum of every split's
     partial in split order — meaningful only for the last). ONE_LOAD (1-D tiles; SPLIT_P2 a
     power of 2 ≥ split_k): the last program reads every partial in one load instead of one
-    dependent load per split."""
+    dependent load per split. ATOMIC (float32): add the partial into the accumulators at
+    `ws_ptrs` instead (`split_accumulators`, zero between calls), in arrival order; the last
+    program reads the sum and zeroes them."""
     IS_INT: tl.constexpr = acc.dtype == tl.int32
-    if IS_INT:
+    if ATOMIC:
+        tl.static_assert(not IS_INT, "atomic split-K sums are float32")
+        tl.atomic_add(ws_ptrs, acc, mask=mask, sem="relaxed")
+    elif IS_INT:
         tl.store(ws_ptrs + pid_k * MN, acc.to(tl.float32, bitcast=True), mask=mask)
     else:
         tl.store(ws_ptrs + pid_k * MN, acc, mask=mask)
@@ -71,7 +78,10 @@ def _arrive(acc, ws_ptrs, MN, mask, cnt_ptr, tile, pid_k, split_k,
     last = arrived == split_k - 1
     total = acc
     if last:
-        if ONE_LOAD:
+        if ATOMIC:
+            total = tl.load(ws_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(ws_ptrs, tl.zeros_like(total), mask=mask)
+        elif ONE_LOAD:
             rows = tl.arange(0, SPLIT_P2)
             parts = tl.load(ws_ptrs[None, :] + rows[:, None] * MN,
                             mask=mask[None, :] & (rows < split_k)[:, None], other=0.0,
@@ -116,6 +126,13 @@ def split_workspaces(device: torch.device, m: int, n: int,
     if max_split <= 1:
         return workspace(device, 1, torch.float32), workspace(device, 1, torch.int32)
     return workspace(device, max_split * m * n, torch.float32), _counters(device, m, n)
+
+
+def atomic_sums() -> bool:
+    """Whether split-K partials may be added atomically: floating-point sums in arrival order
+    differ from call to call in the last bits, so not under
+    `torch.use_deterministic_algorithms(True)` (PyTorch's own convention for such kernels)."""
+    return not torch.are_deterministic_algorithms_enabled()
 
 
 def split_accumulators(device: torch.device, m: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -58,8 +58,10 @@ running a bf16/fp16 GEMM beats re-dequantizing every weight in every M tile (vLL
 same for AWQ at ≥ 256 tokens).
 
 Split-K (SPLIT_K programs along K per output tile) sums its partials deterministically
-(`split_k.py`). The autotuner gets, per shape, the splits that fill whole waves of programs
-(`split_k.WAVES`; not only powers of 2), timed as CUDA-graph replays (`ops.autotune_bench`).
+(`split_k.py`), except in the plain GEMV, which adds them atomically (`ATOMIC`) unless torch
+is in deterministic mode. The autotuner gets, per shape, the splits that fill whole waves of
+programs (`split_k.WAVES`; not only powers of 2), timed as CUDA-graph replays
+(`ops.autotune_bench`).
 
 Measured on an H100 (benchmarks/results/gemm_h100_s13.md, session 13: CUDA graphs, L2 flushed
 clean before each run), on the Qwen2-7B / Llama-3-8B MLP shapes: W4A16 g128 at M = 1
@@ -88,7 +90,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from quantlab.kernels import gemv_epilogue as epi
 from quantlab.kernels.layout import BLOCK_K, PackedWNA16
 from quantlab.kernels.ops import autotune_bench, interpret_mode, pdl_launch, sm_count, use_triton
-from quantlab.kernels.split_k import largest_split, split_total, split_workspaces, wave_splits
+from quantlab.kernels.split_k import (atomic_sums, largest_split, split_accumulators, split_total,
+                                      split_workspaces, wave_splits)
 
 MAGIC32 = 0x4B000000  # float32 bits of 2^23
 
@@ -230,11 +233,12 @@ def _operand(w, d: tl.constexpr, zo, s, magic32,
 
 @triton.jit
 def _finish(acc, y_ptrs, ws_ptrs, MN, mask, cnt_ptr, tile, pid_k, split_k, OUT: tl.constexpr,
-            ONE_LOAD: tl.constexpr = False, SPLIT_P2: tl.constexpr = 1):
+            ONE_LOAD: tl.constexpr = False, SPLIT_P2: tl.constexpr = 1,
+            ATOMIC: tl.constexpr = False):
     """Store a tile, or its split-K partial; the last split to arrive stores the sum
     (`split_k.split_total`)."""
     last, total = split_total(acc, ws_ptrs, MN, mask, cnt_ptr, tile, pid_k, split_k, ONE_LOAD,
-                              SPLIT_P2)
+                              SPLIT_P2, ATOMIC)
     if last:
         tl.store(y_ptrs, total.to(OUT), mask=mask)
 
@@ -410,6 +414,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
                  SPLIT_K, BLOCK_N: tl.constexpr, SPLIT_P2: tl.constexpr, PF: tl.constexpr = True,
                  DENORM: tl.constexpr = False, PDL: tl.constexpr = 0,
                  STAGES: tl.constexpr = 1, EPI: tl.constexpr = 0, HEAD_D: tl.constexpr = 128,
+                 ATOMIC: tl.constexpr = False,
                  e_row_ptr=None, e_w_ptr=None, e_y2_ptr=None, e_cos_ptr=None, e_sin_ptr=None,
                  e_pos_ptr=None, e_kc_ptr=None, e_vc_ptr=None, e_eps=0.0, e_nq=0, e_nkv=0,
                  e_cache_s=0, c_m_ptr=None, c_l_ptr=None, c_acc_ptr=None, c_nsplit=1, c_group=1,
@@ -431,6 +436,10 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
     num_stages: cp.async into STAGES − 1 shared-memory buffers ahead of the one in use), so
     each program keeps several blocks in flight without holding them in registers; the
     one-block register prefetch of the words is then off.
+
+    ATOMIC (EPI = 0): the splits add their partials into `split_k.split_accumulators` in
+    arrival order, and the last one reads the one row of sums, instead of storing them for it
+    to sum in split order.
 
     EPI (M = 1): what the program completing a column tile does with it instead of storing it
     (`gemv_epilogue`); the `e_*` arguments are its inputs. With `c_acc_ptr` (M = 1) the
@@ -493,7 +502,8 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
         acc = acc * tl.reshape(s, (BLOCK_N,))
     if EPI == epi.PLAIN:
         _finish(acc, y_ptr + m * stride_ym + offs_n, ws_ptr + m * N + offs_n, M * N, n_mask,
-                cnt_ptr, m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K, OUT, True, SPLIT_P2)
+                cnt_ptr, m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K, OUT, True, SPLIT_P2,
+                ATOMIC)
     else:
         rms_parts = ws_ptr + SPLIT_K * N + pid_n * SPLIT_P2  # past the partials (M = 1)
         if EPI >= epi.RMS_SWIGLU and SPLIT_K > 1:
@@ -799,7 +809,8 @@ def _tuner(kernel, configs, keys, prune):
 
 _FUSED_KEY = ["MB", "N", "K", "BITS", "GROUP"]
 TUNERS = {
-    "gemv": _tuner(_gemv_kernel, GEMV_CONFIGS, ["N", "K", "BITS", "GROUP"], PRUNE["gemv"]),
+    "gemv": _tuner(_gemv_kernel, GEMV_CONFIGS, ["N", "K", "BITS", "GROUP", "ATOMIC"],
+                   PRUNE["gemv"]),
     **{f"m{b}": _tuner(_wna16_kernel, c, _FUSED_KEY, PRUNE["fused"]) for b, c in CONFIGS.items()},
     **{f"m{b}_join": _tuner(_wna16_kernel, c, _FUSED_KEY, PRUNE["fused"])
        for b, c in JOIN_CONFIGS.items()},
@@ -854,15 +865,20 @@ def _launch_gemv(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, config: dic
         max_split = _max_split("gemv", n, nblk, m, out.device)
     else:
         max_split = config["SPLIT_K"]
-    # an epilogue's splits also store their row sums past the partials (fewer than N)
-    ws, cnt = split_workspaces(x.device, m, n, max_split + (1 if epilogue else 0))
+    # ATOMIC: the partials added into accumulators (plain GEMV only: an epilogue's splits also
+    # store their row sums past the partials, fewer than N)
+    atomic = (config or {}).get("ATOMIC", not epilogue and atomic_sums())
+    if atomic:
+        ws, cnt = split_accumulators(x.device, m, n)
+    else:
+        ws, cnt = split_workspaces(x.device, m, n, max_split + (1 if epilogue else 0))
     args = (x, p.qweight, p.scales, p.zeros, out, ws, cnt, m, n, k, nblk, p.scales.shape[0],
             x.stride(0), out.stride(0), MAGIC32)
     common = dict(BITS=p.bits, GROUP=p.group_constexpr)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"], m)  # noqa: E731
     kern = TUNERS["gemv"] if config is None else _gemv_kernel
     pdl = {} if (config or {}).get("PDL") else pdl_launch(x)
-    kern[grid](*args, **common, **(config or {}), **pdl, **epilogue)
+    kern[grid](*args, **common, **{**(config or {}), "ATOMIC": atomic}, **pdl, **epilogue)
 
 
 def wna16_gemv_epilogue(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, epilogue: dict,

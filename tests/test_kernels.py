@@ -617,15 +617,16 @@ GEMV_SIG = {**{n: "*bf16" for n in ("x_ptr", "s_ptr", "z_ptr", "y_ptr")}, "qw_pt
             "cnt_ptr": "*i32", **{n: "i32" for n in ("M", "N", "K", "NBLK", "NG", "stride_xm", "stride_ym",
                                                       "magic32", "SPLIT_K")}}
 # The epilogue inputs at their defaults (no epilogue), as constexprs.
-GEMV_PLAIN = {"EPI": 0, "HEAD_D": 128, "e_eps": 0.0, "e_nq": 0, "e_nkv": 0, "e_cache_s": 0,
+GEMV_PLAIN = {"EPI": 0, "HEAD_D": 128, "ATOMIC": False, "e_eps": 0.0, "e_nq": 0, "e_nkv": 0, "e_cache_s": 0,
               **{f"e_{n}_ptr": None for n in ("row", "w", "y2", "cos", "sin", "pos", "kc", "vc")},
               **{f"c_{n}_ptr": None for n in ("m", "l", "acc")}, "c_nsplit": 1, "c_group": 1, "C_BLOCK_G": 16,
               "C_NSPLIT_P2": 1}
 
 
 @needs_triton
-@pytest.mark.parametrize("stages,epi,trigger", [(1, 0, 2), (3, 0, 2), (3, 2, 2), (1, 2, 3), (1, 1, 3)])
-def test_gemv_pdl_waits_before_reading_activations(stages, epi, trigger):
+@pytest.mark.parametrize("stages,epi,trigger,atomic", [(1, 0, 2, False), (3, 0, 2, True), (3, 2, 2, False),
+                                                      (1, 2, 3, False), (1, 1, 3, False)])
+def test_gemv_pdl_waits_before_reading_activations(stages, epi, trigger, atomic):
     """With PDL (benchmarks/pdl_chain.py, QUANTLAB_PDL=1) the GEMV may start while the kernel
     that writes its activations is still running: compiled for sm_90 (on the CPU, no GPU
     needed), it lets the next kernel launch before any load, and every 16-bit load
@@ -635,9 +636,10 @@ def test_gemv_pdl_waits_before_reading_activations(stages, epi, trigger):
     grid-dependency instruction is emitted. The RMS_SWIGLU epilogue (epi 2) reads its normed
     row after the wait too. With the trigger after the wait (3) the next kernel launches only
     once the wait is over. o_proj's RESIDUAL GEMV (epi 1) combines the attention's partials
-    into its input after the wait."""
+    into its input after the wait. So do the atomic adds of the partials (ATOMIC): the
+    previous GEMV's last splits zero the accumulators before it completes."""
     consts = dict(BITS=4, GROUP=128, BLOCK_N=128, SPLIT_P2=8, PF=True, DENORM=True,
-                  STAGES=stages, **{**GEMV_PLAIN, "EPI": epi})
+                  STAGES=stages, **{**GEMV_PLAIN, "EPI": epi, "ATOMIC": atomic})
     sig = dict(GEMV_SIG)
     if epi:
         del consts["e_row_ptr"], consts["e_eps"]
@@ -657,7 +659,9 @@ def test_gemv_pdl_waits_before_reading_activations(stages, epi, trigger):
     assert launch < reads[0] if trigger == 2 else wait < launch
     halves = [i for i in reads if ".b16" in lines[i] or ".u16" in lines[i] or ", 0x2" in lines[i]]
     assert halves and all(i > wait for i in halves)
-    assert all(i > wait for i, ln in enumerate(lines) if "atom." in ln)
+    atomics = [i for i, ln in enumerate(lines) if re.search(r"\b(atom|red)\.global", ln)]
+    assert atomics and all(i > wait for i in atomics)
+    assert any(".add.v4.f32" in lines[i] or ".add.f32" in lines[i] for i in atomics) == atomic
     if stages == 1:
         assert any("ld.global.b32" in lines[i] or "ld.global.v" in lines[i] for i in reads if i < wait)
         assert not any("cp.async" in ln for ln in plain)
@@ -898,10 +902,12 @@ def test_split_k_candidates_fill_whole_waves():
     ("gemv", dict(BLOCK_N=32, SPLIT_K=4, PF=True)),
     ("gemv", dict(BLOCK_N=32, SPLIT_K=2, PF=False)),
     ("gemv", dict(BLOCK_N=32, SPLIT_K=5, PF=True)),
+    ("gemv", dict(BLOCK_N=32, SPLIT_K=3, PF=True, ATOMIC=False)),
 ])
 def test_wna16_split_k_counters_are_left_clean(impl, cfg):
-    """The last split resets its tile counter: a second call (other data, same buffers) must be
-    right too, and the counters must be zero afterwards."""
+    """The last split resets its tile counter (and the GEMV's, adding its partials atomically,
+    its accumulators): a second call (other data, same buffers) must be right too, and the
+    counters and accumulators must be zero afterwards."""
     from quantlab.kernels import split_k, triton_wna16 as tw
 
     qw = canonical(40, 384, 4, 128)
@@ -911,6 +917,31 @@ def test_wna16_split_k_counters_are_left_clean(impl, cfg):
         y = tw.wna16_matmul(x, p, impl=impl, config=cfg)
         assert rel_err(y, reference.wna16_mm(x, p)) < TOL[torch.float16]
     assert not split_k._WORKSPACE[(str(x.device), torch.int32, "partials")].any()
+    assert not split_k.workspace(x.device, 1, torch.float32, "sums").any()
+
+
+@needs_triton
+def test_wna16_gemv_sums_in_split_order_when_torch_asks():
+    """Under torch's deterministic mode the GEMV stores its partials and the last split sums
+    them in split order (a dirty accumulator buffer would show if it added them atomically);
+    otherwise it adds them into the accumulators. Both match the reference."""
+    from quantlab.kernels import split_k, triton_wna16 as tw
+
+    p = layout.pack_wna16(canonical(64, 512, 4, 128, seed=4), torch.float16).to(DEV)
+    x = torch.randn(1, 512).half().to(DEV)
+    cfg = dict(BLOCK_N=32, SPLIT_K=4, PF=True)
+    ref = reference.wna16_mm(x, p)
+    sums = split_k.split_accumulators(x.device, 1, 64)[0]
+    sums.fill_(1.0)
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert rel_err(tw.wna16_matmul(x, p, impl="gemv", config=cfg), ref) < TOL[torch.float16]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    sums.zero_()
+    assert split_k.atomic_sums()
+    assert rel_err(tw.wna16_matmul(x, p, impl="gemv", config=cfg), ref) < TOL[torch.float16]
+    assert not sums.any()
 
 
 @needs_triton
