@@ -103,7 +103,8 @@ def _arrive(acc, ws_ptrs, MN, mask, cnt_ptr, tile, pid_k, split_k,
 _WORKSPACE: dict[tuple, torch.Tensor] = {}
 
 
-def workspace(device: torch.device, numel: int, dtype: torch.dtype, kind: str = "partials") -> torch.Tensor:
+def workspace(device: torch.device, numel: int, dtype: torch.dtype,
+              kind: str = "partials") -> torch.Tensor:
     """A buffer per device, dtype and kind, grown on demand (the counters are zero between
     calls, and so are the "sums" accumulators)."""
     key = (str(device), dtype, kind)

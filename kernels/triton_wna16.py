@@ -867,7 +867,7 @@ def _launch_gemv(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, config: dic
         max_split = config["SPLIT_K"]
     # ATOMIC: the partials added into accumulators (plain GEMV only: an epilogue's splits also
     # store their row sums past the partials, fewer than N)
-    atomic = (config or {}).get("ATOMIC", not epilogue and atomic_sums())
+    atomic = not epilogue and (config or {}).get("ATOMIC", atomic_sums())
     if atomic:
         ws, cnt = split_accumulators(x.device, m, n)
     else:
