@@ -60,10 +60,11 @@ GEMV_SPLITS = (2, 4, 8, 16, 32)
 # The Gluon kernel (sm_90, M ≤ 64; gluon_wna16): (block_n, stages, red, atomic); split-K is
 # swept over GLUON_SPLITS and the whole-wave splits. `red` only matters for the ordered sum.
 GLUON_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
-GLUON = [(64, 2, 2, False), (64, 2, 4, False), (64, 2, 8, False), (128, 2, 1, False),
-         (128, 2, 2, False), (128, 2, 4, False), (64, 3, 4, False), (64, 4, 4, False),
-         (128, 3, 4, False), (128, 4, 4, False)]
+GLUON = [(bn, st, red, False) for bn, st, red in ((64, 2, 2), (64, 2, 4), (64, 2, 8), (128, 2, 1),
+                                                   (128, 2, 2), (128, 2, 4), (64, 3, 4), (64, 4, 4),
+                                                   (128, 3, 4), (128, 4, 4))]
 GLUON += [(bn, st, 1, True) for bn in (64, 128) for st in (2, 3)]
+
 
 def configs(m: int, nblk: int, deep: str | None = None, n: int = 1,
             sms: int = 132) -> list[tuple[str, dict]]:

@@ -59,7 +59,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from quantlab.kernels.layout import PackedWNA16
 from quantlab.kernels.ops import cuda_capability, sm_count
-from quantlab.kernels.split_k import atomic_sums, split_accumulators, split_workspaces
+from quantlab.kernels.split_k import atomic_sums, split_buffers
 
 # Names that moved between Triton releases: the CTA barrier (`thread_barrier` in 3.6,
 # `barrier` later) and the TMA load (`async_copy_global_to_shared`, later `async_load`).
@@ -309,9 +309,9 @@ def plan(m: int, n: int, groups: int, sms: int, block_n: int | None = None,
     rule = RULES["atomic" if atomic else "ordered"][block_m]
     narrow, wide = BLOCK_NS
     if block_n is None:
-        wide_programs = n // wide * split_for(n // wide, groups, sms, rule)
         use_wide = (rule.wide_share is not None and n % wide == 0
-                    and wide_programs >= rule.wide_share * rule.per_sm * sms)
+                    and n // wide * split_for(n // wide, groups, sms, rule)
+                    >= rule.wide_share * rule.per_sm * sms)
         block_n = wide if use_wide else narrow
     if n % block_n:
         raise ValueError(f"block_n {block_n} must divide N = {n}")
@@ -338,10 +338,7 @@ def w4_matmul(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, **forced) -> t
     w_layout, x_layout = _shared_layouts(x.dtype, pl.block_n, pl.block_m)
     w_desc = TensorDescriptor.from_tensor(p.qweight, [16, pl.block_n], w_layout)
     x_desc = TensorDescriptor.from_tensor(x, [pl.block_m, GROUP], x_layout)  # rows ≥ M, k ≥ K read as 0
-    if pl.atomic and pl.split > 1:
-        ws, cnt = split_accumulators(x.device, pl.block_m, n)  # whole token tiles
-    else:
-        ws, cnt = split_workspaces(x.device, pl.block_m, n, pl.split)
+    ws, cnt = split_buffers(x.device, pl.block_m, n, pl.split, pl.atomic)  # whole token tiles
     _w4_kernel[(n // pl.block_n, pl.split)](w_desc, x_desc, p.scales, p.zeros, out, ws, cnt, m, n, groups,
                                             STAGES=pl.stages, RED=pl.red, ATOMIC=pl.atomic,
                                             num_warps=4)

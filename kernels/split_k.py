@@ -141,3 +141,12 @@ def split_accumulators(device: torch.device, m: int, n: int) -> tuple[torch.Tens
     (`m·n`), zero between calls — the program completing a tile zeroes it after reading —,
     apart from the partials (which other kernels leave dirty), and the counters."""
     return workspace(device, m * n, torch.float32, "sums"), _counters(device, m, n)
+
+
+def split_buffers(device: torch.device, m: int, n: int, max_split: int,
+                  atomic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a launch of up to `max_split` splits sums in, and its counters: the accumulators
+    when it adds atomically, else the partials' workspace."""
+    if atomic and max_split > 1:
+        return split_accumulators(device, m, n)
+    return split_workspaces(device, m, n, max_split)

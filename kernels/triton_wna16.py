@@ -90,7 +90,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from quantlab.kernels import gemv_epilogue as epi
 from quantlab.kernels.layout import BLOCK_K, PackedWNA16
 from quantlab.kernels.ops import autotune_bench, interpret_mode, pdl_launch, sm_count, use_triton
-from quantlab.kernels.split_k import (atomic_sums, largest_split, split_accumulators, split_total,
+from quantlab.kernels.split_k import (atomic_sums, largest_split, split_buffers, split_total,
                                       split_workspaces, wave_splits)
 
 MAGIC32 = 0x4B000000  # float32 bits of 2^23
@@ -868,10 +868,7 @@ def _launch_gemv(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, config: dic
     # ATOMIC: the partials added into accumulators (plain GEMV only: an epilogue's splits also
     # store their row sums past the partials, fewer than N)
     atomic = not epilogue and (config or {}).get("ATOMIC", atomic_sums())
-    if atomic:
-        ws, cnt = split_accumulators(x.device, m, n)
-    else:
-        ws, cnt = split_workspaces(x.device, m, n, max_split + (1 if epilogue else 0))
+    ws, cnt = split_buffers(x.device, m, n, max_split + (1 if epilogue else 0), atomic)
     args = (x, p.qweight, p.scales, p.zeros, out, ws, cnt, m, n, k, nblk, p.scales.shape[0],
             x.stride(0), out.stride(0), MAGIC32)
     common = dict(BITS=p.bits, GROUP=p.group_constexpr)
