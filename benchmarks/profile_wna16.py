@@ -2,11 +2,16 @@
 
     ncu --clock-control none --kernel-name regex:wna16 --launch-skip 1 --launch-count 1 \\
         --section ... python benchmarks/profile_wna16.py --which m1
+
+`--which bf16` runs the bf16 F.linear (cuBLAS) instead, and `--config '{...}'` replaces the
+variant's config. The three launches sit between `cudaProfilerStart` and `Stop`, so
+`ncu --profile-from-start off` sees them and not the weight's quantization.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -28,7 +33,8 @@ VARIANTS = {  # name: (M, config); "gemv" is the M = 1 CUDA-core path
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--which", default="m1", choices=[*VARIANTS, "tinygemm"])
+    ap.add_argument("--which", default="m1", choices=[*VARIANTS, "tinygemm", "bf16"])
+    ap.add_argument("--config", default="", help="JSON meta-parameters replacing the variant's")
     ap.add_argument("--k", type=int, default=3584)
     ap.add_argument("--n", type=int, default=18944)
     args = ap.parse_args()
@@ -39,18 +45,27 @@ def main() -> None:
 
     w = torch.randn(args.n, args.k, device="cuda") * 0.02
     q4 = quantize_weight(w, WeightScheme(bits=4, symmetric=False, group_size=GROUP))
+    x = torch.randn(1, args.k, device="cuda", dtype=torch.bfloat16)
     if args.which == "tinygemm":
-        x = torch.randn(1, args.k, device="cuda", dtype=torch.bfloat16)
         packed, sz = tinygemm_pack(q4.codes, q4.scales, q4.zeros, x.dtype, True)
-        for _ in range(3):
-            torch.ops.aten._weight_int4pack_mm(x, packed, GROUP, sz)
+        call = lambda: torch.ops.aten._weight_int4pack_mm(x, packed, GROUP, sz)  # noqa: E731
+    elif args.which == "bf16":
+        wb = w.to(torch.bfloat16)
+        call = lambda: torch.nn.functional.linear(x, wb)  # noqa: E731
     else:
         m, cfg = VARIANTS[args.which]
+        cfg = json.loads(args.config) if args.config else cfg
         p = qk.pack_wna16(q4, torch.bfloat16)
         x = torch.randn(m, args.k, device="cuda", dtype=torch.bfloat16)
-        for _ in range(3):
-            wna16_matmul(x, p, impl="gemv" if args.which == "gemv" else "fused", config=cfg)
+        impl = "gemv" if args.which == "gemv" else "fused"
+        call = lambda: wna16_matmul(x, p, impl=impl, config=cfg)  # noqa: E731
+    call()  # compile outside the profiled range
     torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
 
 
 if __name__ == "__main__":
