@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemm import GROUP, _import_kernels, bench, graphed  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+BLOCK_K = 64  # int4 codes per column in one block of 8 words, the GEMV's step along K
 
 
 def random_weight(k: int, n: int):
@@ -65,18 +67,10 @@ def kernels(p, x: torch.Tensor, args) -> dict:
 
     def floor():
         _read_kernel[grid](p.qweight, p.scales, p.zeros, y, 1, n, nblk, p.scales.shape[0],
-                           SENTINEL, args.split, GROUP_BLOCKS=GROUP // 64, HAS_GROUPS=True,
+                           SENTINEL, args.split, GROUP_BLOCKS=GROUP // BLOCK_K, HAS_GROUPS=True,
                            BLOCK_N=args.block_n, STAGES=args.stages, num_warps=args.warps)
 
     return {"gemv": lambda: wna16_matmul(x, p, impl="gemv", config=cfg), "floor": floor}
-
-
-def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares (intercept, slope) of ys over xs."""
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    slope = sum((a - mx) * (b - my) for a, b in zip(xs, ys)) / sum((a - mx) ** 2 for a in xs)
-    return my - slope * mx, slope
 
 
 @triton.jit
@@ -108,16 +102,13 @@ def run(args) -> dict:
                 fn()
             torch.cuda.synchronize()
             continue
-        timed = {name: graphed(fn) for name, fn in calls.items()}
-        for fn in calls.values():
-            fn()
-        torch.cuda.synchronize()
+        timed = {name: graphed(fn) for name, fn in calls.items()}  # warmed up, then captured
         times = {name: [] for name in timed}
         for r in range(args.rounds):
             for name in (list(timed) if r % 2 == 0 else list(timed)[::-1]):
                 times[name].append(bench(timed[name]) * 1e3)
         rec = {"K": k, "MB": weight_bytes(p) / 1e6,
-               **{f"{name}_us": sorted(v)[len(v) // 2] for name, v in times.items()}}
+               **{f"{name}_us": statistics.median(v) for name, v in times.items()}}
         rows.append(rec)
         print(f"K={k:6d} {rec['MB']:6.1f} MB  gemv {rec['gemv_us']:6.2f} µs  floor {rec['floor_us']:6.2f} µs"
               f"  gap {rec['gemv_us'] - rec['floor_us']:5.2f} µs", flush=True)
@@ -125,8 +116,8 @@ def run(args) -> dict:
     if rows:
         mb = [r["MB"] for r in rows]
         for name in ("gemv", "floor"):
-            a, b = fit(mb, [r[f"{name}_us"] for r in rows])
-            meta[f"{name}_fit"] = {"intercept_us": a, "GBps": 1e3 / b}
+            line = statistics.linear_regression(mb, [r[f"{name}_us"] for r in rows])
+            meta[f"{name}_fit"] = {"intercept_us": line.intercept, "GBps": 1e3 / line.slope}
     return {"meta": meta, "rows": rows}
 
 
