@@ -33,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemm import GROUP, _import_kernels, bench, graphed  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-BLOCK_K = 64  # int4 codes per column in one block of 8 words, the GEMV's step along K
 
 
 def random_weight(k: int, n: int):
@@ -57,20 +56,13 @@ def weight_bytes(p) -> int:
 def kernels(p, x: torch.Tensor, args) -> dict:
     """The GEMV and the read floor on the same grid, as zero-argument calls."""
     from quantlab.kernels.triton_wna16 import wna16_matmul
-    from read_floor import SENTINEL, _read_kernel
+    from read_floor import read_packed
 
-    cfg = dict(BLOCK_N=args.block_n, SPLIT_K=args.split, STAGES=args.stages, PF=True, DENORM=True,
-               num_warps=args.warps, num_stages=1)
-    n, nblk = p.out_features, p.qweight.shape[0] // 8
-    y = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
-    grid = (triton.cdiv(n, args.block_n), args.split)
-
-    def floor():
-        _read_kernel[grid](p.qweight, p.scales, p.zeros, y, 1, n, nblk, p.scales.shape[0],
-                           SENTINEL, args.split, GROUP_BLOCKS=GROUP // BLOCK_K, HAS_GROUPS=True,
-                           BLOCK_N=args.block_n, STAGES=args.stages, num_warps=args.warps)
-
-    return {"gemv": lambda: wna16_matmul(x, p, impl="gemv", config=cfg), "floor": floor}
+    grid = dict(BLOCK_N=args.block_n, SPLIT_K=args.split, STAGES=args.stages, num_warps=args.warps)
+    gemv = dict(grid, PF=True, DENORM=True, num_stages=1)
+    y = torch.empty(1, p.out_features, device="cuda", dtype=torch.bfloat16)
+    return {"gemv": lambda: wna16_matmul(x, p, impl="gemv", config=gemv),
+            "floor": lambda: read_packed(p, y, config=grid)}
 
 
 @triton.jit

@@ -45,7 +45,8 @@ def main() -> None:
 
     w = torch.randn(args.n, args.k, device="cuda") * 0.02
     q4 = quantize_weight(w, WeightScheme(bits=4, symmetric=False, group_size=GROUP))
-    x = torch.randn(1, args.k, device="cuda", dtype=torch.bfloat16)
+    m, cfg = VARIANTS.get(args.which, (1, None))
+    x = torch.randn(m, args.k, device="cuda", dtype=torch.bfloat16)
     if args.which == "tinygemm":
         packed, sz = tinygemm_pack(q4.codes, q4.scales, q4.zeros, x.dtype, True)
         call = lambda: torch.ops.aten._weight_int4pack_mm(x, packed, GROUP, sz)  # noqa: E731
@@ -53,10 +54,8 @@ def main() -> None:
         wb = w.to(torch.bfloat16)
         call = lambda: torch.nn.functional.linear(x, wb)  # noqa: E731
     else:
-        m, cfg = VARIANTS[args.which]
         cfg = json.loads(args.config) if args.config else cfg
         p = qk.pack_wna16(q4, torch.bfloat16)
-        x = torch.randn(m, args.k, device="cuda", dtype=torch.bfloat16)
         impl = "gemv" if args.which == "gemv" else "fused"
         call = lambda: wna16_matmul(x, p, impl=impl, config=cfg)  # noqa: E731
     call()  # compile outside the profiled range

@@ -69,18 +69,20 @@ _TUNED = triton.autotune(configs=CONFIGS, key=["M", "N", "NBLK", "HAS_GROUPS"],
 
 
 def read_words(words: torch.Tensor, out: torch.Tensor, scales: torch.Tensor | None = None,
-               zeros: torch.Tensor | None = None, group_blocks: int = 1) -> torch.Tensor:
+               zeros: torch.Tensor | None = None, group_blocks: int = 1,
+               config: dict | None = None) -> torch.Tensor:
     """Read `words` (int32 `[8·nblk, N]`; with scales and zeros `[NG, N]`, bf16/fp16) with the
-    fastest grid found for the shape (autotuned like the kernels, as CUDA-graph replays) and
-    write `out [M, N]` (zeros)."""
+    fastest grid found for the shape (autotuned like the kernels, as CUDA-graph replays), or
+    with `config`'s (BLOCK_N, SPLIT_K, STAGES, num_warps), and write `out [M, N]` (zeros)."""
     rows, n = words.shape
     assert rows % 8 == 0 and out.shape[1] == n and out.is_contiguous()
     groups = scales is not None
     s = scales if groups else out
     z = zeros if groups else out
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
-    _TUNED[grid](words, s, z, out, out.shape[0], n, rows // 8, s.shape[0], SENTINEL,
-                 GROUP_BLOCKS=group_blocks, HAS_GROUPS=groups)
+    kernel = _TUNED if config is None else _read_kernel
+    kernel[grid](words, s, z, out, out.shape[0], n, rows // 8, s.shape[0], SENTINEL,
+                 GROUP_BLOCKS=group_blocks, HAS_GROUPS=groups, **(config or {}))
     return out
 
 
@@ -90,8 +92,8 @@ def read_weight_bytes(w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return read_words(w.reshape(-1).view(torch.int32).view(-1, n), out)
 
 
-def read_packed(p, out: torch.Tensor) -> torch.Tensor:
+def read_packed(p, out: torch.Tensor, config: dict | None = None) -> torch.Tensor:
     """Read a PackedWNA16's words, scales and zeros as the GEMV does."""
     block_k = 256 // p.bits
     group_blocks = max(1, (p.group_size or p.in_features) // block_k)
-    return read_words(p.qweight, out, p.scales, p.zeros, group_blocks)
+    return read_words(p.qweight, out, p.scales, p.zeros, group_blocks, config)
