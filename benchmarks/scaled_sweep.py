@@ -1,6 +1,7 @@
 """Config sweep for the int8 / FP8 scaled GEMM at prefill sizes (run on the device machine).
 
-Times every candidate config of quantlab.kernels.triton_scaled (no autotuning) on the given
+Times every candidate config of quantlab.kernels.triton_scaled and, with `--impls
+triton,gluon`, of quantlab.kernels.gluon_scaled (no autotuning) on the given
 shapes next to `torch._scaled_mm` / `torch._int_mm` (CUDA-graph replays, L2 flushed, as
 benchmarks/gemm.py times them), checks each against the torch reference and prints the best per case; `--out DIR` writes `scaled_sweep.json`. Used to
 pick LARGE_M_CONFIGS:
@@ -29,9 +30,20 @@ TILES = [(64, 64, 256, 4, 3), (64, 128, 256, 4, 3), (128, 64, 128, 8, 4),
 GROUPS = (4, 8, 16)
 
 
-def candidates(tiles=TILES) -> list[dict]:
+def candidates(tiles=TILES, groups=GROUPS) -> list[dict]:
     return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, GROUP_M=g, PERSISTENT=p)
-            for (bm, bn, bk, w, st), g, p in itertools.product(tiles, GROUPS, (False, True))]
+            for (bm, bn, bk, w, st), g, p in itertools.product(tiles, groups, (False, True))]
+
+
+def gluon_candidates(tiles: list[tuple[int, ...]] | None = None, groups=GROUPS) -> list[dict]:
+    """gluon_scaled's fitting configs (or `tiles`, whose warps are ignored: 4 per 64 rows),
+    each in L2 groups of `groups` row tiles."""
+    from dataclasses import asdict
+
+    from quantlab.kernels import gluon_scaled
+    configs = (gluon_scaled.fitting(torch.bfloat16) if tiles is None
+               else [gluon_scaled.Config(bm, bn, bk, st) for bm, bn, bk, _, st in tiles])
+    return [dict(asdict(c), group_m=g, impl="gluon") for c in configs for g in groups]
 
 
 def parse_tiles(text: str) -> list[tuple[int, ...]]:
@@ -47,6 +59,9 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=4)
     ap.add_argument("--out", default="")
     ap.add_argument("--tiles", default="", help="tiles to sweep (default: TILES), see parse_tiles")
+    ap.add_argument("--impls", default="triton", help="triton, gluon or both (comma-separated)")
+    ap.add_argument("--gluon-tiles", default="", help="gluon tiles as --tiles (default: gluon_scaled.fitting)")
+    ap.add_argument("--groups", default=",".join(map(str, GROUPS)), help="GROUP_M values")
     args = ap.parse_args()
     _import_kernels()
     from quantlab.kernels import layout, reference
@@ -63,7 +78,7 @@ def main() -> None:
         if kind == "fp8":
             p = layout.quantize_fp8_weight(w, True)
             xq, sx = reference.quantize_act_fp8(x, True)
-            run = lambda cfg: fp8_matmul(xq, sx, p, torch.bfloat16, config=cfg)  # noqa: E731
+            mm = fp8_matmul
             ref = reference.fp8_mm(xq, sx, p, torch.bfloat16)
             base = bench(graphed(lambda: torch._scaled_mm(xq, p.w.t(), scale_a=sx.reshape(-1, 1),
                                                           scale_b=p.scale.reshape(1, -1), out_dtype=torch.bfloat16)))
@@ -71,11 +86,17 @@ def main() -> None:
             qw, scale = quantize_int8_weight(w)
             p = layout.PackedW8A8(qw, scale.reshape(-1), None)
             xq, sx = reference.quantize_act_int8(x)
-            run = lambda cfg: w8a8_matmul(xq, sx, p, torch.bfloat16, config=cfg)  # noqa: E731
+            mm = w8a8_matmul
             ref = reference.w8a8_mm(xq, sx, p, torch.bfloat16)
             base = bench(graphed(lambda: torch._int_mm(xq, qw.t())))
+        run = lambda cfg: mm(xq, sx, p, torch.bfloat16, config={k: v for k, v in cfg.items() if k != "impl"},  # noqa: E731
+                             impl=cfg.get("impl", "triton"))
+        groups = [int(g) for g in args.groups.split(",")]
+        configs = candidates(parse_tiles(args.tiles), groups) if "triton" in args.impls else []
+        if "gluon" in args.impls:
+            configs += gluon_candidates(parse_tiles(args.gluon_tiles) if args.gluon_tiles else None, groups)
         rows = []
-        for cfg in candidates(parse_tiles(args.tiles)):
+        for cfg in configs:
             try:
                 err = float((run(cfg).float() - ref.float()).norm() / ref.float().norm())
                 t = bench(graphed(lambda: run(cfg)))

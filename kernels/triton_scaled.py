@@ -14,6 +14,10 @@ At M ≤ 64 the K loop is also split across programs (`split_k.py`; int32 partia
 so a weight of few column tiles fills the GPU: W8A8 at M = 1 on the Qwen2-7B down projection
 went from 52.0 to 32.7 µs on an H200 (bf16 48.9).
 
+Above M = 64 on Hopper the auto path also has `gluon_scaled`, the same GEMM written in Gluon
+so that the int8 wgmma runs asynchronously (Triton's pipeliner drains it every K step), and
+keeps whichever of the two autotuned kernels is faster for the shape (`_faster`).
+
 Requirements: K a multiple of 16 (TMA row strides are 16-byte aligned); contiguous operands.
 """
 
@@ -192,9 +196,55 @@ def _max_split(m: int, n: int, k: int, device: torch.device) -> int:
     return largest_split(_small_m_splits, SMALL_M_CONFIGS, device, M=m, N=n, K=k)
 
 
+IMPLS = ("auto", "triton", "gluon")
+
+
+def _gluon():
+    """`gluon_scaled`, or None where this Triton has no Gluon (imported on first use)."""
+    try:
+        from quantlab.kernels import gluon_scaled
+    except ImportError:
+        return None
+    return gluon_scaled
+
+
+def _path(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, impl: str) -> str:
+    """"triton", "gluon" or, for "auto" above SMALL_M on Hopper, "faster": whichever of the two
+    autotuned kernels is faster for the shape (`_faster`). Otherwise, and at split-K sizes,
+    this module's kernel."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    g = _gluon() if not interpret_mode() else None
+    ok = g is not None and g.supports(a, b, out_dtype)
+    if impl == "gluon" and not ok:
+        raise ValueError("impl 'gluon' takes int8 or e4m3 operands (K % 16 == 0) on "
+                         "sm_90 with Triton's Gluon (see gluon_scaled.supports)")
+    if impl == "auto":
+        return "faster" if ok and a.shape[0] > SMALL_M else "triton"
+    return impl
+
+
+_FASTER: dict[tuple, str] = {}
+
+
+def _faster(key: tuple, run) -> str:
+    """The faster impl for a shape, timed once per key (after each kernel's own autotuning)
+    as the autotuners time: on an H100 at M = 4096 the Gluon kernel won every int8 shape
+    measured and the FP8 K/V projections; Triton's persistent programs won FP8 qwen_qkv and
+    llama_down (benchmarks/README.md, session 21)."""
+    if key not in _FASTER:
+        times = {}
+        for impl in ("triton", "gluon"):
+            run(impl)  # autotunes outside the timer's graph capture
+            times[impl] = autotune_bench(lambda impl=impl: run(impl))
+        _FASTER[key] = min(times, key=times.get)
+    return _FASTER[key]
+
+
 def _launch(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
             zc: torch.Tensor | None, rs: torch.Tensor | None, out_dtype: torch.dtype,
-            is_int: bool, config: dict | None, out: torch.Tensor | None) -> torch.Tensor:
+            is_int: bool, config: dict | None, out: torch.Tensor | None,
+            impl: str = "auto") -> torch.Tensor:
     m, k = a.shape
     n = b.shape[0]
     if k % 16:
@@ -202,10 +252,21 @@ def _launch(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor
     a, b = a.contiguous(), b.contiguous()
     y = torch.empty(m, n, dtype=out_dtype, device=a.device) if out is None else out
     assert y.shape == (m, n) and y.is_contiguous() and y.dtype == out_dtype
+    path = _path(a, b, out_dtype, impl)
     if config is None and interpret_mode():
         config = INTERPRET_CONFIG
     if m == 0:
         return y
+    if path == "faster" and config is not None:  # a config is the Triton kernel's
+        path = "triton"
+    if path == "faster":
+        key = (_bucket(m), n, k, a.dtype, out_dtype, sa.numel(), sb.numel(), zc is not None)
+        path = _faster(key, lambda i: _launch(a, b, sa, sb, zc, rs, out_dtype, is_int, config, y, i))
+    if path == "gluon":
+        g = _gluon()
+        sa, sb = sa.float().contiguous(), sb.float().contiguous()
+        cfg = g.Config(**config) if config is not None else g.tuned(a, b, sa, sb, zc, rs, y)
+        return g.scaled_matmul(a, b, sa, sb, zc, rs, y, cfg)
     dummy = [8, 16]  # replaced by the config's block shape before launch
     a_desc = TensorDescriptor.from_tensor(a, dummy)
     b_desc = TensorDescriptor.from_tensor(b, dummy)
@@ -238,16 +299,19 @@ def _launch(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor
 
 def w8a8_matmul(xq: torch.Tensor, sx: torch.Tensor, p: PackedW8A8,
                 out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, impl: str = "auto") -> torch.Tensor:
     """int8 `xq [M, K]` with per-token scales `sx [M]` (or one `[1]`) × int8 weight → out_dtype.
+    `impl`: "auto", "triton" (this module's kernel) or "gluon" (`gluon_scaled`); `config`
+    is that kernel's (a `gluon_scaled.Config`'s fields for "gluon").
 
     An asymmetric weight zero point needs the activation row sums (one small torch reduction)."""
     rs = xq.sum(dim=1, dtype=torch.int32) if p.zc is not None else None
-    return _launch(xq, p.w, sx, p.scale, p.zc, rs, out_dtype, True, config, out)
+    return _launch(xq, p.w, sx, p.scale, p.zc, rs, out_dtype, True, config, out, impl)
 
 
 def fp8_matmul(xq: torch.Tensor, sx: torch.Tensor, p: PackedFP8,
                out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-    """FP8 `xq [M, K]` with scales `[M]` or `[1]` × FP8 weight (scale `[N]` or `[1]`)."""
-    return _launch(xq, p.w, sx, p.scale, None, None, out_dtype, False, config, out)
+               out: torch.Tensor | None = None, impl: str = "auto") -> torch.Tensor:
+    """FP8 `xq [M, K]` with scales `[M]` or `[1]` × FP8 weight (scale `[N]` or `[1]`); `impl`
+    and `config` as for `w8a8_matmul`."""
+    return _launch(xq, p.w, sx, p.scale, None, None, out_dtype, False, config, out, impl)

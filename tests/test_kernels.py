@@ -1003,6 +1003,110 @@ def test_fp8_kernel_matches_reference(per_row, mode):
         assert not split_k._WORKSPACE[(str(xq.device), torch.int32, "partials")].any()
 
 
+# The Gluon W8A8/FP8 kernel (gluon_scaled, M > 64 on Hopper): CPUs compile it for sm_90 and
+# check its K loop in the PTX and in ptxas' report; GPUs also run it.
+_GLUON_SCALED_PTX = """
+import sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+import torch
+from quantlab.kernels import gluon_scaled as g
+kind, bm, bn, bk, stages, zc = sys.argv[1], *map(int, sys.argv[2:6]), sys.argv[6] == "1"
+op = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[kind]
+c = g.Config(bm, bn, bk, stages)
+al, bl = g._layouts(op, c)
+t = {"int8": "i8", "fp8": "fp8e4nv"}[kind]
+sig = {"a_desc": f"tensordesc<{t}[{bm}, {bk}],{al!r}>", "b_desc": f"tensordesc<{t}[{bn}, {bk}],{bl!r}>",
+       "y_ptr": "*bf16", "sa_ptr": "*fp32", "sb_ptr": "*fp32", "zc_ptr": "*i32", "rs_ptr": "*i32",
+       "M": "i32", "N": "i32", "K": "i32", "stride_ym": "i32", "ROW_A": "constexpr", "ROW_B": "constexpr",
+       "ZC": "constexpr", "GROUP_M": "constexpr", "STAGES": "constexpr", "num_warps": "constexpr"}
+aligned = {(i,): [["tt.divisibility", 16]] for i in (2, 3, 4, 5, 6, 8, 9, 10)}  # as the JIT sees them
+src = GluonASTSource(g._scaled_kernel, sig, attrs=aligned,
+                     constexprs={"ROW_A": True, "ROW_B": True, "ZC": zc, "GROUP_M": 8, "STAGES": stages,
+                                 "num_warps": c.warps})
+print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": c.warps}).asm["ptx"])
+"""
+
+
+@needs_triton
+@pytest.mark.parametrize("kind,bm,bn,bk,stages,zc", [
+    ("int8", 128, 128, 128, 5, False), ("int8", 128, 256, 128, 3, True), ("fp8", 64, 256, 128, 4, False),
+    ("fp8", 128, 128, 64, 6, False)])
+def test_gluon_scaled_kernel_keeps_one_wgmma_in_flight(kind, bm, bn, bk, stages, zc, tmp_path):
+    """Compiled for sm_90: the K loop issues its BK/32 wgmmas per 64 rows and waits with one
+    group outstanding (Triton's own pipeliner drains int8 every step), and ptxas keeps them
+    asynchronous: it serialized a first version's wgmmas (info C7515; that version refilled
+    the ring under a branch and stored the tile by TMA), which then ran 40% slower on an H100.
+    Output leaves in 16-byte stores."""
+    import subprocess
+    import sys
+
+    from triton.backends.nvidia import compiler
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _GLUON_SCALED_PTX, kind, str(bm), str(bn), str(bk), str(stages),
+                          str(int(zc))], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    ptx = res.stdout
+    operands = "s32.s8.s8" if kind == "int8" else "f32.e4m3.e4m3"
+    assert len(re.findall(rf"wgmma\.mma_async\S*{operands}", ptx)) == bk // 32 * (bn // 128 if kind == "int8" else 1)
+    assert "wgmma.wait_group.sync.aligned 1;" in ptx
+    assert "st.global.v4" in ptx and "ld.local" not in ptx
+    (tmp_path / "k.ptx").write_text(ptx)
+    try:  # the ptxas Triton compiles sm_90 with (chosen by arch from 3.7 on)
+        ptxas = compiler.get_ptxas(90).path
+    except TypeError:
+        ptxas = compiler.get_ptxas().path
+    info = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
+                          capture_output=True, text=True, timeout=300)
+    assert info.returncode == 0, info.stderr[-2000:]
+    assert "C7515" not in info.stdout + info.stderr  # "wgmma.mma_async instructions are serialized"
+
+
+def test_gluon_scaled_path_only_where_it_applies():
+    """The auto path considers the Gluon kernel above SMALL_M on sm_90 only: on a CPU (or in the
+    interpreter) it stays on the Triton kernel, and asking for Gluon there is an error."""
+    ts = pytest.importorskip("quantlab.kernels.triton_scaled")
+    a = torch.zeros(128, 64, dtype=torch.int8)
+    b = torch.zeros(32, 64, dtype=torch.int8)
+    assert ts._path(a, b, torch.bfloat16, "auto") == "triton"
+    with pytest.raises(ValueError, match="impl 'gluon'"):
+        ts._path(a, b, torch.bfloat16, "gluon")
+    with pytest.raises(ValueError, match="impl must be one of"):
+        ts._path(a, b, torch.bfloat16, "cutlass")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the Gluon scaled kernel runs on sm_90")
+@pytest.mark.parametrize("m,n,k", [(300, 136, 272), (129, 8, 16), (65, 1024, 4096)])
+def test_gluon_scaled_kernel_matches_reference(m, n, k):
+    """Every fitting config, odd M and N, int8 symmetric and asymmetric (zero correction) and
+    FP8 per row, against the torch reference. Above SMALL_M the auto path times both kernels
+    and keeps the faster."""
+    from quantlab.kernels import gluon_scaled
+    from quantlab.kernels.triton_scaled import SMALL_M, _path, fp8_matmul, w8a8_matmul
+
+    torch.manual_seed(0)
+    w = torch.randn(n, k)
+    x = torch.randn(m, k, device="cuda")
+    cases = []
+    for symmetric in (True, False):
+        p = layout.pack_w8a8(canonical(n, k, 8, None, symmetric)).to("cuda")
+        xq, sx = reference.quantize_act_int8(x)
+        cases.append((w8a8_matmul, xq, sx, p, reference.w8a8_mm(xq, sx, p, torch.bfloat16)))
+    pf = layout.quantize_fp8_weight(w, True).to("cuda")
+    xf, sf = reference.quantize_act_fp8(x, True)
+    cases.append((fp8_matmul, xf, sf, pf, reference.fp8_mm(xf, sf, pf, torch.bfloat16)))
+    for c in gluon_scaled.fitting(torch.bfloat16):
+        for mm, xq, sx, p, ref in cases:
+            y = mm(xq, sx, p, torch.bfloat16, config=dict(block_m=c.block_m, block_n=c.block_n,
+                                                          block_k=c.block_k, stages=c.stages), impl="gluon")
+            assert rel_err(y, ref) < TOL[torch.bfloat16], (c, mm.__name__)
+    assert _path(cases[0][1], cases[0][3].w, torch.bfloat16, "auto") == ("faster" if m > SMALL_M else "triton")
+    for mm, xq, sx, p, ref in cases:  # the auto path, whichever kernel it keeps
+        assert rel_err(mm(xq, sx, p, torch.bfloat16), ref) < TOL[torch.bfloat16]
+
+
 @needs_triton
 def test_scaled_small_m_splits_fill_idle_sms(monkeypatch):
     """On 132 SMs a down projection at M = 1 (K×N = 18944×3584: 56 tiles of 64 columns) gets
