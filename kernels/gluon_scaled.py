@@ -169,6 +169,7 @@ class Config:
         return self.block_m // 16
 
     def shared_bytes(self, out_size: int) -> int:
+        """The TMA ring and the epilogue's layout change of the output tile."""
         return self.stages * (self.block_m + self.block_n) * self.block_k + self.block_m * self.block_n * out_size
 
 
@@ -187,13 +188,11 @@ def fitting(out_dtype: torch.dtype) -> list[Config]:
 def supports(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """Whether this kernel takes the call: int8 × int8 or e4m3 × e4m3, contiguous, K a multiple
     of 16, on an sm_90 GPU."""
-    m, k = a.shape
     return ((cuda_capability(a) or (0, 0))[0] == 9 and a.dtype == b.dtype
-            and a.dtype in (torch.int8, torch.float8_e4m3fn) and a.is_contiguous() and b.is_contiguous()
-            and k % 16 == 0 and out_dtype in _GL_DTYPES)
+            and a.dtype in _GL_OPERANDS and a.is_contiguous() and b.is_contiguous()
+            and a.shape[1] % 16 == 0 and out_dtype in (torch.bfloat16, torch.float16, torch.float32))
 
 
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 _GL_OPERANDS = {torch.int8: gl.int8, torch.float8_e4m3fn: gl.float8e4nv}
 
 
