@@ -17,9 +17,9 @@ One program per `[BM, BN]` output tile, tiles in groups of GROUP_M row tiles (as
 int8 asymmetric-zero correction, the per-token × per-channel (or per-tensor) scales, then
 stores of 16 bytes a thread; its scales are loaded before the K loop.
 
-Measured on an H100 at M = 4096 (session 21, benchmarks/README.md): int8 qwen_kv 15.9 µs, 1.54×
-bf16 (in one sweep, same 128 × 128 tile: 16.7 µs against the Triton kernel's 21.0); FP8
-qwen_kv 16.4 (`torch._scaled_mm` 17.2). On the large FP8 shapes Triton's persistent programs
+Measured on H100s at M = 4096 (session 21, benchmarks/README.md): int8 qwen_kv 15.9–16.7 µs,
+1.48–1.54× bf16 over two runs (in one sweep, same 128 × 128 tile: 16.7 µs against the Triton
+kernel's 21.0); FP8 qwen_kv 16.4–16.7 (`torch._scaled_mm` 17.2). On the large FP8 shapes Triton's persistent programs
 stay ahead (qwen_qkv 82.0 against 89.2 µs), so `triton_scaled` times both per shape.
 Two things cost this kernel 40% until fixed, both visible only below Triton: ptxas serialized
 its wgmmas (info C7515) when the ring was refilled under a branch, and a TMA store of the tile,
