@@ -245,6 +245,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor
             zc: torch.Tensor | None, rs: torch.Tensor | None, out_dtype: torch.dtype,
             is_int: bool, config: dict | None, out: torch.Tensor | None,
             impl: str = "auto") -> torch.Tensor:
+    """Check the call, pick the kernel (`_path`, `_faster`) and run it into `out` (or a new y)."""
     m, k = a.shape
     n = b.shape[0]
     if k % 16:
@@ -257,6 +258,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor
         config = INTERPRET_CONFIG
     if m == 0:
         return y
+    sa, sb = sa.float().contiguous(), sb.float().contiguous()
     if path == "faster" and config is not None:  # a config is the Triton kernel's
         path = "triton"
     if path == "faster":
@@ -264,13 +266,20 @@ def _launch(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor
         path = _faster(key, lambda i: _launch(a, b, sa, sb, zc, rs, out_dtype, is_int, config, y, i))
     if path == "gluon":
         g = _gluon()
-        sa, sb = sa.float().contiguous(), sb.float().contiguous()
         cfg = g.Config(**config) if config is not None else g.tuned(a, b, sa, sb, zc, rs, y)
         return g.scaled_matmul(a, b, sa, sb, zc, rs, y, cfg)
+    return _launch_triton(a, b, sa, sb, zc, rs, y, is_int, config)
+
+
+def _launch_triton(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
+                   zc: torch.Tensor | None, rs: torch.Tensor | None, y: torch.Tensor,
+                   is_int: bool, config: dict | None) -> torch.Tensor:
+    """This module's kernel: autotuned (small-M split-K or large-M configs) or `config`."""
+    m, k = a.shape
+    n = b.shape[0]
     dummy = [8, 16]  # replaced by the config's block shape before launch
     a_desc = TensorDescriptor.from_tensor(a, dummy)
     b_desc = TensorDescriptor.from_tensor(b, dummy)
-    sa, sb = sa.float().contiguous(), sb.float().contiguous()
     zc_t = zc if zc is not None else sb
     rs_t = rs if rs is not None else sa
     flags = dict(ROW_A=sa.numel() == m, ROW_B=sb.numel() == n, ZC=zc is not None, IS_INT=is_int)
