@@ -264,6 +264,9 @@ def autotune_choices() -> dict:
     for label, tuner in (*tuners, ("scaled_small", triton_scaled._SMALL),
                          ("scaled_large", triton_scaled._LARGE)):
         out[label] = {str(kk): str(v) for kk, v in getattr(tuner, "cache", {}).items()}
+    gluon = triton_scaled._gluon()  # above M = 64 on Hopper: its picks, and which kernel was kept
+    out["scaled_gluon"] = {str(kk): str(v) for kk, v in (gluon._TUNED if gluon else {}).items()}
+    out["scaled_kept"] = {str(kk): v for kk, v in triton_scaled._FASTER.items()}
     return out
 
 

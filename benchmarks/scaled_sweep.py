@@ -69,6 +69,10 @@ def main() -> None:
     from quantlab.quant.activations import quantize_int8_weight
 
     print(f"# {torch.cuda.get_device_name()}", flush=True)
+    groups = [int(g) for g in args.groups.split(",")]
+    configs = candidates(parse_tiles(args.tiles), groups) if "triton" in args.impls else []
+    if "gluon" in args.impls:
+        configs += gluon_candidates(parse_tiles(args.gluon_tiles) if args.gluon_tiles else None, groups)
     results = []
     for name, m, kind in itertools.product(args.shapes.split(","), [int(v) for v in args.ms.split(",")],
                                            args.kinds.split(",")):
@@ -91,10 +95,6 @@ def main() -> None:
             base = bench(graphed(lambda: torch._int_mm(xq, qw.t())))
         run = lambda cfg: mm(xq, sx, p, torch.bfloat16, config={k: v for k, v in cfg.items() if k != "impl"},  # noqa: E731
                              impl=cfg.get("impl", "triton"))
-        groups = [int(g) for g in args.groups.split(",")]
-        configs = candidates(parse_tiles(args.tiles), groups) if "triton" in args.impls else []
-        if "gluon" in args.impls:
-            configs += gluon_candidates(parse_tiles(args.gluon_tiles) if args.gluon_tiles else None, groups)
         rows = []
         for cfg in configs:
             try:

@@ -37,6 +37,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -181,8 +182,7 @@ CONFIGS = [Config(bm, bn, bk, st) for bm, bn, bk, st in (
 
 def fitting(out_dtype: torch.dtype) -> list[Config]:
     """The CONFIGS whose ring and output tile fit in shared memory."""
-    size = torch.empty((), dtype=out_dtype).element_size()
-    return [c for c in CONFIGS if c.shared_bytes(size) <= SHARED_BYTES]
+    return [c for c in CONFIGS if c.shared_bytes(out_dtype.itemsize) <= SHARED_BYTES]
 
 
 def supports(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
@@ -214,7 +214,7 @@ def scaled_matmul(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.
     a_l, b_l = _layouts(a.dtype, c)
     a_desc = TensorDescriptor.from_tensor(a, [c.block_m, c.block_k], a_l)
     b_desc = TensorDescriptor.from_tensor(b, [c.block_n, c.block_k], b_l)
-    grid = (-(-m // c.block_m) * -(-n // c.block_n),)
+    grid = (triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n),)
     _scaled_kernel[grid](a_desc, b_desc, out, sa, sb, zc if zc is not None else sb,
                          rs if rs is not None else sa, m, n, k, out.stride(0),
                          ROW_A=sa.numel() == m, ROW_B=sb.numel() == n, ZC=zc is not None,
@@ -226,13 +226,10 @@ _TUNED: dict[tuple, Config] = {}
 
 
 def tuned(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
-          zc: torch.Tensor | None, rs: torch.Tensor | None, out: torch.Tensor) -> Config:
-    """The fastest fitting config for this call's shape (M by power-of-two bucket), timed
-    once per shape as Triton's autotuner would (`ops.autotune_bench`: graph replays, L2
-    flushed before each) and remembered for the process."""
-    m, k = a.shape
-    key = (1 << max(m - 1, 0).bit_length(), b.shape[0], k, a.dtype, out.dtype, sa.numel(), sb.numel() > 1,
-           zc is not None)
+          zc: torch.Tensor | None, rs: torch.Tensor | None, out: torch.Tensor, key: tuple) -> Config:
+    """The fastest fitting config for this call, timed once per `key` (the caller's shape key,
+    `triton_scaled`'s M bucket among it) as Triton's autotuner would (`ops.autotune_bench`:
+    graph replays, L2 flushed before each) and remembered for the process."""
     if key not in _TUNED:
         configs = fitting(out.dtype)
         times = [autotune_bench(lambda c=c: scaled_matmul(a, b, sa, sb, zc, rs, out, c)) for c in configs]

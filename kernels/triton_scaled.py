@@ -208,10 +208,11 @@ def _gluon():
     return gluon_scaled
 
 
-def _path(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, impl: str) -> str:
+def _path(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, impl: str,
+          configured: bool = False) -> str:
     """"triton", "gluon" or, for "auto" above SMALL_M on Hopper, "faster": whichever of the two
-    autotuned kernels is faster for the shape (`_faster`). Otherwise, and at split-K sizes,
-    this module's kernel."""
+    autotuned kernels is faster for the shape (`_faster`). Otherwise, at split-K sizes, and
+    when a config is given (it is this module's kernel's), this module's kernel."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     g = _gluon() if not interpret_mode() else None
@@ -220,7 +221,7 @@ def _path(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, impl: str) -
         raise ValueError("impl 'gluon' takes int8 or e4m3 operands (K % 16 == 0) on "
                          "sm_90 with Triton's Gluon (see gluon_scaled.supports)")
     if impl == "auto":
-        return "faster" if ok and a.shape[0] > SMALL_M else "triton"
+        return "faster" if ok and a.shape[0] > SMALL_M and not configured else "triton"
     return impl
 
 
@@ -253,20 +254,18 @@ def _launch(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor
     a, b = a.contiguous(), b.contiguous()
     y = torch.empty(m, n, dtype=out_dtype, device=a.device) if out is None else out
     assert y.shape == (m, n) and y.is_contiguous() and y.dtype == out_dtype
-    path = _path(a, b, out_dtype, impl)
+    path = _path(a, b, out_dtype, impl, configured=config is not None)
     if config is None and interpret_mode():
         config = INTERPRET_CONFIG
     if m == 0:
         return y
     sa, sb = sa.float().contiguous(), sb.float().contiguous()
-    if path == "faster" and config is not None:  # a config is the Triton kernel's
-        path = "triton"
+    key = (_bucket(m), n, k, a.dtype, out_dtype, sa.numel(), sb.numel(), zc is not None)  # tuning caches'
     if path == "faster":
-        key = (_bucket(m), n, k, a.dtype, out_dtype, sa.numel(), sb.numel(), zc is not None)
         path = _faster(key, lambda i: _launch(a, b, sa, sb, zc, rs, out_dtype, is_int, config, y, i))
     if path == "gluon":
         g = _gluon()
-        cfg = g.Config(**config) if config is not None else g.tuned(a, b, sa, sb, zc, rs, y)
+        cfg = g.Config(**config) if config is not None else g.tuned(a, b, sa, sb, zc, rs, y, key)
         return g.scaled_matmul(a, b, sa, sb, zc, rs, y, cfg)
     return _launch_triton(a, b, sa, sb, zc, rs, y, is_int, config)
 

@@ -267,6 +267,19 @@ print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps"
 """
 
 
+def compiled_in_subprocess(script: str, *args: str) -> str:
+    """What `script` prints, run with `args` by this Python outside the interpreter mode (it
+    compiles kernels for sm_90, no GPU needed)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stdout
+
+
 @needs_triton
 @pytest.mark.parametrize("half,bn,bm,atomic", [
     ("bfloat16", 128, 16, False), ("float16", 128, 16, True), ("bfloat16", 64, 32, True),
@@ -279,14 +292,7 @@ def test_gluon_w4_kernel_compiles_with_register_operands(half, bn, bm, atomic):
     counter's broadcast). The split-K partials move 16 bytes at a time: stored and loaded
     back, or added by vector atomics (`red/atom ... add.v4.f32`, one per 4 columns) whose sum is
     loaded once."""
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _GLUON_PTX, half, str(bn), str(bm), str(int(atomic))],
-                         capture_output=True, text=True, env=env, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    ptx = res.stdout
+    ptx = compiled_in_subprocess(_GLUON_PTX, half, str(bn), str(bm), str(int(atomic)))
     assert ptx.count("wgmma.mma_async") == 8 * bn // 64
     assert f"n{bm}k16" in ptx  # the token tile is wgmma's N
     assert ptx.count("cp.async.bulk.tensor") >= 2
@@ -599,14 +605,9 @@ print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm
 def sm90_ptx(module: str, kernel: str, sig: dict, consts: dict, **options) -> list[str]:
     """The kernel's PTX for an H100 (no GPU needed), as stripped lines."""
     import json
-    import subprocess
-    import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _PTX, json.dumps([module, kernel, sig, consts, options])],
-                         capture_output=True, text=True, env=env, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    return [ln.strip() for ln in res.stdout.splitlines()]
+    ptx = compiled_in_subprocess(_PTX, json.dumps([module, kernel, sig, consts, options]))
+    return [ln.strip() for ln in ptx.splitlines()]
 
 
 def _first(lines: list[str], prefix: str) -> int:
@@ -1039,15 +1040,10 @@ def test_gluon_scaled_kernel_keeps_one_wgmma_in_flight(kind, bm, bn, bk, stages,
     the ring under a branch and stored the tile by TMA), which then ran 40% slower on an H100.
     Output leaves in 16-byte stores."""
     import subprocess
-    import sys
 
     from triton.backends.nvidia import compiler
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _GLUON_SCALED_PTX, kind, str(bm), str(bn), str(bk), str(stages),
-                          str(int(zc))], capture_output=True, text=True, env=env, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    ptx = res.stdout
+    ptx = compiled_in_subprocess(_GLUON_SCALED_PTX, kind, str(bm), str(bn), str(bk), str(stages), str(int(zc)))
     operands = "s32.s8.s8" if kind == "int8" else "f32.e4m3.e4m3"
     assert len(re.findall(rf"wgmma\.mma_async\S*{operands}", ptx)) == bk // 32 * (bn // 128 if kind == "int8" else 1)
     assert "wgmma.wait_group.sync.aligned 1;" in ptx
