@@ -31,7 +31,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from quantlab.kernels.layout import PackedFP8, PackedW8A8
-from quantlab.kernels.ops import autotune_bench, interpret_mode, sm_count
+from quantlab.kernels.ops import autotune_bench, fastest, interpret_mode, sm_count
 from quantlab.kernels.split_k import largest_split, split_total, split_workspaces, wave_splits
 
 
@@ -229,16 +229,15 @@ _FASTER: dict[tuple, str] = {}
 
 
 def _faster(key: tuple, run) -> str:
-    """The faster impl for a shape, timed once per key (after each kernel's own autotuning)
-    as the autotuners time: on an H100 at M = 4096 the Gluon kernel won every int8 shape
+    """The faster impl for a shape, decided once per key (after each kernel's own autotuning)
+    by `ops.fastest`: on an H100 at M = 4096 the Gluon kernel won every int8 shape
     measured and the FP8 K/V projections; Triton's persistent programs won FP8 qwen_qkv and
     llama_down (benchmarks/README.md, session 21)."""
     if key not in _FASTER:
-        times = {}
-        for impl in ("triton", "gluon"):
+        impls = ("triton", "gluon")
+        for impl in impls:
             run(impl)  # autotunes outside the timer's graph capture
-            times[impl] = autotune_bench(lambda impl=impl: run(impl))
-        _FASTER[key] = min(times, key=times.get)
+        _FASTER[key] = impls[fastest([lambda impl=impl: run(impl) for impl in impls])]
     return _FASTER[key]
 
 

@@ -1038,7 +1038,8 @@ def test_gluon_scaled_kernel_keeps_one_wgmma_in_flight(kind, bm, bn, bk, stages,
     group outstanding (Triton's own pipeliner drains int8 every step), and ptxas keeps them
     asynchronous: it serialized a first version's wgmmas (info C7515; that version refilled
     the ring under a branch and stored the tile by TMA), which then ran 40% slower on an H100.
-    Output leaves in 16-byte stores."""
+    Output leaves in 16-byte stores. The first stage's copies start before the last stage's
+    barrier is initialized (each init costs a CTA barrier)."""
     import subprocess
 
     from triton.backends.nvidia import compiler
@@ -1048,6 +1049,7 @@ def test_gluon_scaled_kernel_keeps_one_wgmma_in_flight(kind, bm, bn, bk, stages,
     assert len(re.findall(rf"wgmma\.mma_async\S*{operands}", ptx)) == bk // 32 * (bn // 128 if kind == "int8" else 1)
     assert "wgmma.wait_group.sync.aligned 1;" in ptx
     assert "st.global.v4" in ptx and "ld.local" not in ptx
+    assert ptx.find("cp.async.bulk.tensor") < ptx.rfind("mbarrier.init")
     (tmp_path / "k.ptx").write_text(ptx)
     try:  # the ptxas Triton compiles sm_90 with (chosen by arch from 3.7 on)
         ptxas = compiler.get_ptxas(90).path
@@ -1057,6 +1059,23 @@ def test_gluon_scaled_kernel_keeps_one_wgmma_in_flight(kind, bm, bn, bk, stages,
                           capture_output=True, text=True, timeout=300)
     assert info.returncode == 0, info.stderr[-2000:]
     assert "C7515" not in info.stdout + info.stderr  # "wgmma.mma_async instructions are serialized"
+
+
+def test_fastest_compares_interleaved_medians(monkeypatch):
+    """`ops.fastest` times every candidate once per round, the rounds interleaved, and keeps
+    the best median: one lucky timing does not win, and a slowdown that hits every candidate
+    in one round (clock drift) changes no choice."""
+    script = {"a": [1.0, 1.5, 0.6], "b": [0.9, 1.4, 0.9], "c": [1.1, 1.6, 1.2]}
+    calls: list[str] = []
+
+    def fake_bench(fn):
+        name = fn()
+        calls.append(name)
+        return script[name][calls.count(name) - 1]
+
+    monkeypatch.setattr(ops, "autotune_bench", fake_bench)
+    assert ops.fastest([lambda: "a", lambda: "b", lambda: "c"]) == 1  # medians 1.0, 0.9, 1.2
+    assert calls == ["a", "b", "c"] * 3
 
 
 def test_gluon_scaled_path_only_where_it_applies():
