@@ -6,7 +6,8 @@ count. Baselines run in the same process: bf16 F.linear (cuBLAS), torch._int_mm,
 M = 1 also the read floors (read_floor.py: a kernel that only reads the W4A16 / bf16 weight's
 bytes — the fastest any GEMM over those bytes could be).
 Times are medians of CUDA-event timings over CUDA-graph replays of each call (so host launch
-overhead is out, as in a graphed decode loop). `ops.bench_cold` flushes L2 before each run: by
+overhead is out, as in a graphed decode loop), taken in `--rounds` rounds that interleave the
+kinds of a case (after every kind is checked and autotuned), and the median round kept. `ops.bench_cold` flushes L2 before each run: by
 default by reading a buffer far larger than L2, so the lines left behind are clean as in a decode
 step; `--flush dirty` writes it instead, as triton's do_bench does, which adds write-back traffic
 to every kernel's first reads. Eager times (one Python call per run) are kept in the JSON as
@@ -23,6 +24,7 @@ import functools
 import json
 import math
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -221,9 +223,9 @@ def run(args) -> dict:
             if args.kinds:  # bf16 always: the speed-ups are against it
                 keep = {"bf16", *args.kinds.split(",")}
                 variants = {kk: v for kk, v in variants.items() if kk in keep}
-            times = {}
-            for kind, (fn, ref) in variants.items():
-                rec = {"shape": name, "K": k, "N": n, "M": m, "kind": kind}
+            times, recs, graphs = {}, {}, {}
+            for kind, (fn, ref) in variants.items():  # check, autotune, capture
+                rec = recs[kind] = {"shape": name, "K": k, "N": n, "M": m, "kind": kind}
                 try:
                     y = fn()
                     torch.cuda.synchronize()
@@ -233,15 +235,23 @@ def run(args) -> dict:
                         rec["rel_err"] = rel_err(y.float() * sx8[:, None] * case.i8.scale, reference.w8a8_mm(
                             xq8, sx8, case.i8, torch.float32))
                     rec["ms_eager"] = bench(fn, dirty=dirty)
-                    t = bench(graphed(fn), dirty=dirty)
-                    times[kind] = t
+                    graphs[kind] = graphed(fn)
+                except Exception as e:  # noqa: BLE001 — one failing case must not end the run
+                    rec["error"] = repr(e)[:300]
+            # Timed in interleaved rounds, compared by median: the clocks of a GPU under load
+            # drift over a run (bf16 qwen_up 698–750 µs between runs on one H100 model), and
+            # one kind timed after another would carry that drift into their ratio.
+            for _ in range(args.rounds):
+                for kind, g in graphs.items():
+                    recs[kind].setdefault("ms_rounds", []).append(bench(g, dirty=dirty))
+            for kind, rec in recs.items():
+                if "ms_rounds" in rec:
+                    t = times[kind] = statistics.median(rec["ms_rounds"])
                     base = (kind.split("_")[0] if kind.startswith(("w4a16", "w8a16")) else
                             kind.removeprefix("read_"))
                     nbytes = weight_bytes(base, k, n) + act_bytes(base, m, k, n)
                     rec.update(ms=t, GBps=nbytes / t / 1e6, TFLOPs=2 * m * n * k / t / 1e9,
                                bw_frac=nbytes / t / 1e6 / bw)
-                except Exception as e:  # noqa: BLE001 — one failing case must not end the run
-                    rec["error"] = repr(e)[:300]
                 rows.append(rec)
             for rec in rows[-len(variants):]:
                 if "ms" in rec and "bf16" in times:
@@ -345,6 +355,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="")
     ap.add_argument("--tag", default="")
     ap.add_argument("--kinds", default="", help="only these kinds (and bf16), e.g. w4a16,read_w4a16")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="interleaved timing rounds per case; each kind's time is their median")
     ap.add_argument("--flush", choices=("clean", "dirty"), default="clean",
                     help="L2 flush before each timed run: read (clean lines) or write (dirty)")
     args = ap.parse_args()
