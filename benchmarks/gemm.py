@@ -7,7 +7,8 @@ M = 1 also the read floors (read_floor.py: a kernel that only reads the W4A16 / 
 bytes — the fastest any GEMM over those bytes could be).
 Times are medians of CUDA-event timings over CUDA-graph replays of each call (so host launch
 overhead is out, as in a graphed decode loop), taken in `--rounds` rounds that interleave the
-kinds of a case (after every kind is checked and autotuned), and the median round kept. `ops.bench_cold` flushes L2 before each run: by
+kinds of a case (after every kind is checked and autotuned; each round starts one kind later),
+and the median round kept. `ops.bench_cold` flushes L2 before each run: by
 default by reading a buffer far larger than L2, so the lines left behind are clean as in a decode
 step; `--flush dirty` writes it instead, as triton's do_bench does, which adds write-back traffic
 to every kernel's first reads. Eager times (one Python call per run) are kept in the JSON as
@@ -238,12 +239,14 @@ def run(args) -> dict:
                     graphs[kind] = graphed(fn)
                 except Exception as e:  # noqa: BLE001 — one failing case must not end the run
                     rec["error"] = repr(e)[:300]
-            # Timed in interleaved rounds, compared by median: the clocks of a GPU under load
-            # drift over a run (bf16 qwen_up 698–750 µs between runs on one H100 model), and
-            # one kind timed after another would carry that drift into their ratio.
-            for _ in range(args.rounds):
-                for kind, g in graphs.items():
-                    recs[kind].setdefault("ms_rounds", []).append(bench(g, dirty=dirty))
+            # Timed in interleaved rounds, each starting one kind later, compared by median: the
+            # clocks of a GPU under load drift within a run (bf16 llama_up 656–719 µs between
+            # rounds on an H100), and kinds timed one after another would carry that drift into
+            # their ratios.
+            kinds = list(graphs)
+            for r in range(args.rounds if kinds else 0):
+                for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
+                    recs[kind].setdefault("ms_rounds", []).append(bench(graphs[kind], dirty=dirty))
             for kind, rec in recs.items():
                 if "ms_rounds" in rec:
                     t = times[kind] = statistics.median(rec["ms_rounds"])
