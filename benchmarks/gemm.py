@@ -171,7 +171,7 @@ def run(args) -> dict:
     bw = copy_bandwidth()
     meta = {"device": dev.name, "sms": dev.multi_processor_count, "torch": torch.__version__,
             "triton": triton.__version__, "copy_GBps": bw, "flush": args.flush, "python": platform.python_version(),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "rounds": args.rounds}
     print(f"# {dev.name}: device copy {bw:.0f} GB/s; torch {torch.__version__}, triton {triton.__version__}",
           flush=True)
     ms_list = [int(v) for v in args.ms.split(",")]
@@ -324,7 +324,7 @@ def markdown(res: dict) -> str:
              f"torch {meta['torch']}, triton {meta['triton']}; measured device copy bandwidth "
              f"{meta['copy_GBps']:.0f} GB/s (read + write). Times: median µs of CUDA-graph replays "
              f"(L2 flushed before each, {meta.get('flush', 'dirty')}: see the module docstring; eager µs in "
-             "parentheses). "
+             f"parentheses), the median of {meta.get('rounds', 1)} interleaved rounds. "
              "× = speed-up vs bf16 cuBLAS; BW% = achieved bytes/s over the copy bandwidth; rel = "
              "‖y − ref‖/‖ref‖ against the torch reference.", "",
              "| shape (K×N) | M | kind | µs (eager) | × bf16 | GB/s | BW% | TFLOP/s | rel err |",

@@ -17,10 +17,12 @@ One program per `[BM, BN]` output tile, tiles in groups of GROUP_M row tiles (as
 int8 asymmetric-zero correction, the per-token × per-channel (or per-tensor) scales, then
 stores of 16 bytes a thread; its scales are loaded before the K loop.
 
-Measured on H100s at M = 4096 (session 21, benchmarks/README.md): int8 qwen_kv 15.9–16.7 µs,
-1.48–1.54× bf16 over two runs (in one sweep, same 128 × 128 tile: 16.7 µs against the Triton
-kernel's 21.0); FP8 qwen_kv 16.4–16.7 (`torch._scaled_mm` 17.2). On the large FP8 shapes Triton's persistent programs
-stay ahead (qwen_qkv 82.0 against 89.2 µs), so `triton_scaled` times both per shape.
+Measured on H100s at M = 4096 (benchmarks/README.md, sessions 21–22): int8 qwen_kv 15.6–16.7 µs,
+1.48–1.56× bf16 (in one sweep, same 128 × 128 tile: 16.7 µs against the Triton kernel's 21.0);
+FP8 qwen_kv 16.0–16.3 µs, 1.52–1.53× bf16 in five runs, after the ring's first copies were
+moved up and the tiles grouped by 4 (`torch._scaled_mm` 16.9–17.3). On the large FP8 shapes
+Triton's persistent programs stay ahead (qwen_qkv 82.0 against 89.2 µs), so `triton_scaled`
+times both per shape (`ops.fastest`).
 Two things cost this kernel 40% until fixed, both visible only below Triton: ptxas serialized
 its wgmmas (info C7515) when the ring was refilled under a branch, and a TMA store of the tile,
 waited on before the CTA exits, cost ~1.5 µs a call. A warp-specialized variant (a loader warp
@@ -94,8 +96,8 @@ def _scaled_kernel(a_desc, b_desc, y_ptr, sa_ptr, sb_ptr, zc_ptr, rs_ptr, M, N, 
     iters = gl.cdiv(K, BK)
     # Each stage's first copies go out right after its barrier's init, not after all of them:
     # every init and issue costs a CTA barrier (Triton's shared-memory hazard analysis), and
-    # the first load left only after the sixth (FP8 qwen_kv at M = 4096 on an H100: faster in
-    # 10 of 12 side-by-side timings, by 0.03–0.2 µs).
+    # the first load left only after the sixth (FP8 qwen_kv and llama_kv at M = 4096 on an
+    # H100: faster in 11 of 12 side-by-side timings, by 0.03–0.38 µs).
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
         if i < STAGES - 1:
@@ -183,7 +185,8 @@ CONFIGS = [Config(bm, bn, bk, st) for bm, bn, bk, st in (
     (128, 128, 128, 4), (128, 128, 128, 5), (128, 256, 128, 3), (128, 256, 64, 4), (128, 128, 64, 6),
     (64, 128, 128, 5), (64, 256, 128, 4), (128, 64, 128, 6), (64, 64, 128, 8))]
 # Groups of 4 row tiles for the 128 × 128 tiles: FP8 qwen_kv at M = 4096 on an H100 took
-# 15.9–16.7 µs against 16.5–16.9 in groups of 8 (5 stages, same runs; noise is ±0.2 µs).
+# 15.9–16.7 µs against 16.5–16.9 in groups of 8 (5 stages, same runs). Six stages were no
+# faster there and 5% slower on llama_kv.
 CONFIGS += [Config(128, 128, 128, st, group_m=4) for st in (4, 5)]
 
 
