@@ -133,7 +133,7 @@ def fastest(runs: Sequence[Callable[[], object]], rounds: int = 3) -> int:
     """The index of the fastest of `runs`: each timed `rounds` times by `autotune_bench`, the
     rounds interleaved, compared by median. One timing each let the noise pick: on an H100 the
     same FP8 kernel config timed 15.2–16.3 µs in one process, and the Gluon tuner kept a tile
-    order 0.3–0.5 µs slower in one of two runs (session 22)."""
+    order about 0.5 µs slower in one of two runs (session 22)."""
     times: list[list[float]] = [[] for _ in runs]
     for _ in range(rounds):
         for fn, ts in zip(runs, times):
