@@ -162,6 +162,7 @@ def run(args) -> dict:
     import triton
 
     from quantlab.kernels import reference
+    from quantlab.kernels.ops import interleaved_rounds
     from quantlab.kernels.triton_scaled import fp8_matmul, w8a8_matmul
     from quantlab.kernels.triton_wna16 import wna16_matmul
     from read_floor import read_packed, read_weight_bytes
@@ -243,10 +244,10 @@ def run(args) -> dict:
             # clocks of a GPU under load drift within a run (bf16 llama_up 656–719 µs between
             # rounds on an H100), and kinds timed one after another would carry that drift into
             # their ratios.
-            kinds = list(graphs)
-            for r in range(args.rounds if kinds else 0):
-                for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
-                    recs[kind].setdefault("ms_rounds", []).append(bench(graphs[kind], dirty=dirty))
+            timers = [lambda g=g: bench(g, dirty=dirty) for g in graphs.values()]
+            for kind, ts in zip(graphs, interleaved_rounds(timers, args.rounds, rotate=True)):
+                if ts:
+                    recs[kind]["ms_rounds"] = ts
             for kind, rec in recs.items():
                 if "ms_rounds" in rec:
                     t = times[kind] = statistics.median(rec["ms_rounds"])

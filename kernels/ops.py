@@ -129,15 +129,26 @@ def autotune_bench(fn: Callable[[], object], quantiles=None):
     return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
 
 
+def interleaved_rounds(timers: Sequence[Callable[[], float]], rounds: int,
+                       rotate: bool = False) -> list[list[float]]:
+    """Each timer's results over `rounds` rounds that call every timer once, in order (`rotate`:
+    each round starting one timer later), so that the drift of a loaded GPU's clocks reaches
+    all of them alike instead of whichever was timed last."""
+    out: list[list[float]] = [[] for _ in timers]
+    n = len(timers)
+    for r in range(rounds if n else 0):
+        start = r % n if rotate else 0
+        for i in [*range(start, n), *range(start)]:
+            out[i].append(timers[i]())
+    return out
+
+
 def fastest(runs: Sequence[Callable[[], object]], rounds: int = 3) -> int:
     """The index of the fastest of `runs`: each timed `rounds` times by `autotune_bench`, the
     rounds interleaved, compared by median. One timing each let the noise pick: on an H100 the
     same FP8 kernel config timed 15.2–16.3 µs in one process, and the Gluon tuner kept a tile
     order about 0.5 µs slower in one of two runs (session 22)."""
-    times: list[list[float]] = [[] for _ in runs]
-    for _ in range(rounds):
-        for fn, ts in zip(runs, times):
-            ts.append(autotune_bench(fn))
+    times = interleaved_rounds([lambda fn=fn: autotune_bench(fn) for fn in runs], rounds)
     medians = [statistics.median(ts) for ts in times]
     return min(range(len(runs)), key=medians.__getitem__)
 
