@@ -129,6 +129,15 @@ def split_workspaces(device: torch.device, m: int, n: int,
     return workspace(device, max_split * m * n, torch.float32), _counters(device, m, n)
 
 
+def tail_buffers(device: torch.device, programs: int,
+                 tile_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For persistent programs that split the last wave's K loops (`triton_scaled._tail_split`,
+    at most 2 parts per program): a float32 partial tile per part and a counter per tile
+    (34.6 MB for 128 × 256 tiles on 132 SMs, the size of cuBLAS's own Hopper workspace)."""
+    return (workspace(device, programs * 2 * tile_elems, torch.float32),
+            workspace(device, 2 * programs + 1, torch.int32))
+
+
 def atomic_sums() -> bool:
     """Whether split-K partials may be added atomically: floating-point sums in arrival order
     differ from call to call in the last bits, so not under

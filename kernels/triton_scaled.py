@@ -32,7 +32,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from quantlab.kernels.layout import PackedFP8, PackedW8A8
 from quantlab.kernels.ops import autotune_bench, fastest, interpret_mode, sm_count
-from quantlab.kernels.split_k import largest_split, split_total, split_workspaces, wave_splits
+from quantlab.kernels.split_k import (largest_split, split_total, split_workspaces, tail_buffers,
+                                      wave_splits)
 
 
 @triton.jit
@@ -62,41 +63,88 @@ def _epilogue(acc, off_m, off_n, sa_ptr, sb_ptr, zc_ptr, rs_ptr, y_ptr, M, N, st
 
 
 @triton.jit
-def _scaled_tile(tile, pid_k, split_k, a_desc, b_desc, sa_ptr, sb_ptr, zc_ptr, rs_ptr, y_ptr,
-                 ws_ptr, cnt_ptr, M, N, K, stride_ym,
-                 ROW_A: tl.constexpr, ROW_B: tl.constexpr, ZC: tl.constexpr, IS_INT: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr):
-    """One output tile (or split `pid_k` of its K loop): the K loop, then the epilogue — after
-    the last split sums the partials, when split."""
+def _tile_origin(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """A tile's first row and column: GROUP_M row tiles at a time, walked column-major, so that
+    running tiles share B in L2."""
     num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
+    per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
     first_m = (tile // per_group) * GROUP_M
     rows = tl.minimum(num_m - first_m, GROUP_M)
-    off_m = (first_m + (tile % per_group) % rows) * BLOCK_M
-    off_n = ((tile % per_group) // rows) * BLOCK_N
+    return (first_m + (tile % per_group) % rows) * BLOCK_M, ((tile % per_group) // rows) * BLOCK_N
+
+
+@triton.jit
+def _k_range(off_m, off_n, k_lo, k_hi, a_desc, b_desc, IS_INT: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The tile's product over K tiles [k_lo, k_hi): int32 for int8 operands, else float32."""
     if IS_INT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    iters = tl.cdiv(K, BLOCK_K)
-    per = tl.cdiv(iters, split_k)
-    for k in range(pid_k * per, tl.minimum(pid_k * per + per, iters)):
+    for k in range(k_lo, k_hi):
         a = a_desc.load([off_m, k * BLOCK_K])
         b = b_desc.load([off_n, k * BLOCK_K])
         if IS_INT:
             acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
         else:
             acc = tl.dot(a, b.T, acc)
+    return acc
+
+
+@triton.jit
+def _scaled_tile(tile, pid_k, split_k, a_desc, b_desc, sa_ptr, sb_ptr, zc_ptr, rs_ptr, y_ptr,
+                 ws_ptr, cnt_ptr, M, N, K, stride_ym,
+                 ROW_A: tl.constexpr, ROW_B: tl.constexpr, ZC: tl.constexpr, IS_INT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr, first_tail=-1):
+    """One output tile (or split `pid_k` of its K loop): the K loop, then the epilogue — after
+    the last split sums the partials, when split. The partials go to an `[M, N]` plane per
+    split, or, for the tiles from `first_tail` on (`_tail_split`), to `split_k` tile-sized
+    slots per tile (`split_k.tail_buffers`)."""
+    off_m, off_n = _tile_origin(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    iters = tl.cdiv(K, BLOCK_K)
+    per = tl.cdiv(iters, split_k)
+    acc = _k_range(off_m, off_n, pid_k * per, tl.minimum(pid_k * per + per, iters), a_desc, b_desc,
+                   IS_INT, BLOCK_M, BLOCK_N, BLOCK_K)
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    last, total = split_total(acc, ws_ptr + offs_m[:, None] * N + offs_n[None, :], M * N, mask,
-                              cnt_ptr, tile, pid_k, split_k)
+    if first_tail >= 0:
+        slot = tile - first_tail
+        local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        last, total = split_total(acc, ws_ptr + slot * split_k * BLOCK_M * BLOCK_N + local,
+                                  BLOCK_M * BLOCK_N, mask, cnt_ptr, slot, pid_k, split_k)
+    else:
+        last, total = split_total(acc, ws_ptr + offs_m[:, None] * N + offs_n[None, :], M * N,
+                                  mask, cnt_ptr, tile, pid_k, split_k)
     if last:
         _epilogue(total, off_m, off_n, sa_ptr, sb_ptr, zc_ptr, rs_ptr, y_ptr, M, N, stride_ym,
                   ROW_A, ROW_B, ZC, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _tail_split(tiles, programs, iters, MAX_PARTS_PER_SM: tl.constexpr = 2,
+                PART_COST: tl.constexpr = 14):
+    """(how many tiles the persistent programs take whole, how many ways the K loop of the
+    rest — the last, partial wave — is split). A partial wave of r tiles leaves SMs idle; split s
+    ways, its r·s parts take ⌈r·s / programs⌉ rounds, each of `iters / s + PART_COST` K steps.
+    A part also fills the pipeline, stores its partial tile and may sum the others, and a
+    partial wave runs at higher clocks under the power cap than a full one: on an H100 at
+    M = 4096 with tiles of 128 × 256, qwen_down's last wave (52 of 448 tiles, 148 K steps)
+    split 5 ways was 4–8% faster than whole, but llama_up's (76 of 1792, 32 K steps) split 3
+    ways 4–7% slower, and that of Qwen2-7B's fused q/k/v projection (3584 × 4608: 48 of 576,
+    28 K steps) split 2 ways 6% slower.
+    Picks the s ≤ 8 of the fewest K steps, at most MAX_PARTS_PER_SM parts per program (the
+    workspace); s = 1 (no split) unless it beats one round of whole tiles."""
+    rest = tiles % programs
+    best_steps = iters  # × best, one round of whole tiles
+    best = 1
+    for s in tl.static_range(2, 9):
+        steps = tl.cdiv(rest * s, programs) * (iters + PART_COST * s)  # × s
+        ok = (rest > 0) & (rest * s <= MAX_PARTS_PER_SM * programs) & (steps * best < best_steps * s)
+        best_steps = tl.where(ok, steps, best_steps)
+        best = tl.where(ok, s, best)
+    return tiles - tl.where(best > 1, rest, 0), best
 
 
 @triton.jit
@@ -104,16 +152,30 @@ def _scaled_mm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, zc_ptr, rs_ptr, y_ptr, ws_
                       M, N, K, stride_ym, MB, SPLIT_K,
                       ROW_A: tl.constexpr, ROW_B: tl.constexpr, ZC: tl.constexpr,
                       IS_INT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr = False):
+                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr = False,
+                      SPLIT_TAIL: tl.constexpr = False):
     """MB (the M bucket) is only the autotuning key. PERSISTENT: one program per SM walks the
     tiles (flattened into one pipelined loop, so the next tile's loads overlap this epilogue;
-    no split-K). Otherwise program (tile, split)."""
+    no split-K); with SPLIT_TAIL the K loops of the last, partial wave are split across all
+    the programs (`_tail_split`). Otherwise program (tile, split)."""
     if PERSISTENT:
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
+        whole = num_tiles
+        split = 1
+        if SPLIT_TAIL:
+            whole, split = _tail_split(num_tiles, tl.num_programs(0), tl.cdiv(K, BLOCK_K))
+        for tile in tl.range(tl.program_id(0), whole, tl.num_programs(0), flatten=True):
             _scaled_tile(tile, 0, 1, a_desc, b_desc, sa_ptr, sb_ptr, zc_ptr, rs_ptr, y_ptr, ws_ptr,
                          cnt_ptr, M, N, K, stride_ym, ROW_A, ROW_B, ZC, IS_INT, BLOCK_M, BLOCK_N,
                          BLOCK_K, GROUP_M)
+        if SPLIT_TAIL:
+            # Part u is split u // tail of tile u % tail: the programs running at once share
+            # their K steps (and the operands' slabs in L2) as whole tiles do.
+            tail = num_tiles - whole
+            for u in range(tl.program_id(0), tail * split, tl.num_programs(0)):
+                _scaled_tile(whole + u % tail, u // tail, split, a_desc, b_desc, sa_ptr, sb_ptr,
+                             zc_ptr, rs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_ym, ROW_A,
+                             ROW_B, ZC, IS_INT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, whole)
     else:
         _scaled_tile(tl.program_id(0), tl.program_id(1), SPLIT_K, a_desc, b_desc, sa_ptr, sb_ptr,
                      zc_ptr, rs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_ym, ROW_A, ROW_B, ZC,
@@ -126,9 +188,9 @@ def _set_blocks(nargs):
     nargs["b_desc"].block_shape = [bn, bk]
 
 
-def _cfg(bm, bn, bk, warps, stages, group_m=8, persistent=False):
+def _cfg(bm, bn, bk, warps, stages, group_m=8, persistent=False, split_tail=False):
     return triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, PERSISTENT=persistent,
-                              SPLIT_K=1),
+                              SPLIT_TAIL=split_tail, SPLIT_K=1),
                          num_warps=warps, num_stages=stages, pre_hook=_set_blocks)
 
 
@@ -146,6 +208,16 @@ LARGE_M_CONFIGS += [_cfg(*c, group_m=g, persistent=True)
                                       ((256, 128, 128, 8, 4), (8,)), ((128, 128, 128, 8, 5), (4,)),
                                       ((128, 128, 128, 8, 4), (4, 8)), ((128, 128, 128, 4, 4), (4, 8)))
                     for g in groups]
+# The large persistent tiles again with the last, partial wave's K loops split (`_tail_split`):
+# at M = 4096 qwen_down makes 448 tiles of 128 × 256 for 132 SMs, 3.4 waves, and its last wave
+# split 5 ways took it from 429–431 to 412–414 µs on an H100 (torch._scaled_mm 435).
+SPLIT_TAIL_CONFIGS = [_cfg(*c, group_m=g, persistent=True, split_tail=True)
+                    for c, groups in (((128, 256, 128, 8, 3), (8, 16)), ((128, 256, 128, 8, 4), (8, 16)),
+                                      ((256, 128, 128, 8, 4), (8,)), ((128, 128, 128, 8, 4), (8,)),
+                                      ((128, 128, 128, 8, 6), (8,)))
+                    for g in groups]
+LARGE_M_CONFIGS += SPLIT_TAIL_CONFIGS
+SPLIT_TAIL_TILE = max(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] for c in SPLIT_TAIL_CONFIGS)
 # At M ≤ 64 a weight of few column tiles (qwen_down: 56 tiles of 64 for 132 SMs, each walking
 # K = 18944) leaves SMs idle: the small-M configs also run with the K loop split so that 1–4
 # whole waves of programs fill the GPU (`split_k.wave_splits`), each split ≥ MIN_SPLIT_ITERS
@@ -286,6 +358,9 @@ def _launch_triton(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch
     split = config.get("SPLIT_K", 1) if config is not None else None
     max_split = split or (_max_split(m, n, k, a.device) if small else 1)
     ws, cnt = split_workspaces(a.device, m, n, max_split)
+    if config.get("SPLIT_TAIL", False) if config is not None else not small:
+        tile = config["BLOCK_M"] * config["BLOCK_N"] if config is not None else SPLIT_TAIL_TILE
+        ws, cnt = tail_buffers(a.device, sms, tile)
 
     def grid(meta):
         tiles = triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])
@@ -295,6 +370,7 @@ def _launch_triton(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch
     if config is not None:
         meta = {kk: config[kk] for kk in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
         meta["PERSISTENT"] = bool(config.get("PERSISTENT", False))
+        meta["SPLIT_TAIL"] = bool(config.get("SPLIT_TAIL", False))
         meta["SPLIT_K"] = split
         _set_blocks({"a_desc": a_desc, "b_desc": b_desc, **meta})
         _scaled_mm_kernel[grid](*args, **flags, **meta, num_warps=config.get("num_warps", 4),

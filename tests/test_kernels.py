@@ -958,8 +958,10 @@ def test_wna16_act_order_kernel(m):
 
 
 # How the scaled kernel walks its tiles: one program per tile, persistent programs (fewer than
-# tiles: 4 on a CPU; 6 tiles at M = 37), or the K loop (3 tiles of 32) split across programs.
-SCALED_MODES = {"tile": {}, "persistent": {"PERSISTENT": True}, "split2": {"SPLIT_K": 2},
+# tiles: 4 on a CPU; 6 tiles at M = 37), the same with the last wave's K loops split (not at
+# K = 96: 3 K steps are too few to split), or the K loop (3 tiles of 32) split across programs.
+SCALED_MODES = {"tile": {}, "persistent": {"PERSISTENT": True},
+                "split_tail": {"PERSISTENT": True, "SPLIT_TAIL": True}, "split2": {"SPLIT_K": 2},
                 "split3": {"SPLIT_K": 3}}
 
 
@@ -982,26 +984,32 @@ def test_w8a8_kernel_matches_reference(m, symmetric, mode):
     out = torch.full((m, 72), float("nan"), dtype=torch.float16, device=DEV)
     y = w8a8_matmul(xq, sx, p, torch.float16, config=_scaled_config(mode), out=out)
     assert rel_err(y, reference.w8a8_mm(xq, sx, p, torch.float16)) < TOL[torch.float16]
-    if mode.startswith("split"):  # int32 partials sum exactly: the same bits as one program
+    if mode != "tile":  # int32 partials sum exactly: the same bits as one program per tile
         assert torch.equal(y, w8a8_matmul(xq, sx, p, torch.float16))
 
 
 @needs_triton
-@pytest.mark.parametrize("per_row", [True, False])
-@pytest.mark.parametrize("mode", ["tile", "split3"])
-def test_fp8_kernel_matches_reference(per_row, mode):
+@pytest.mark.parametrize("m", [37, 96, 160])
+def test_split_tail_splits_the_last_wave(m):
+    """4 persistent programs on a CPU, tiles of 32 × 32 × 32, K = 2048 (64 K steps): at M = 37 the
+    last wave is 2 of 6 tiles, split in 2 (one round of half tiles), at M = 96 1 of 9, split
+    in 4; at M = 160 (3 of 15) no split beats a whole round. The counters are zero again
+    after, and int8 gives the same bits as one program per tile."""
     from quantlab.kernels import split_k
-    from quantlab.kernels.triton_scaled import fp8_matmul
+    from quantlab.kernels.triton_scaled import fp8_matmul, w8a8_matmul
 
-    p = layout.quantize_fp8_weight(torch.randn(72, 96), per_row).to(DEV)
-    for seed in (0, 1):  # a second call on the same split-K buffers
-        g = torch.Generator().manual_seed(seed)
-        xq, sx = reference.quantize_act_fp8(torch.randn(37, 96, generator=g).to(DEV), per_row)
-        out = torch.full((37, 72), float("nan"), dtype=torch.bfloat16, device=DEV)
-        y = fp8_matmul(xq, sx, p, torch.bfloat16, config=_scaled_config(mode), out=out)
-        assert rel_err(y, reference.fp8_mm(xq, sx, p, torch.bfloat16)) < TOL[torch.bfloat16]
-    if mode != "tile":
-        assert not split_k._WORKSPACE[(str(xq.device), torch.int32, "partials")].any()
+    g = torch.Generator().manual_seed(m)
+    config = _scaled_config("split_tail")
+    p8 = layout.pack_w8a8(canonical(72, 2048, 8, None, False)).to(DEV)
+    xq, sx = reference.quantize_act_int8(torch.randn(m, 2048, generator=g).to(DEV))
+    y = w8a8_matmul(xq, sx, p8, torch.float16, config=config)
+    assert torch.equal(y, w8a8_matmul(xq, sx, p8, torch.float16, config=_scaled_config("tile")))
+    pf = layout.quantize_fp8_weight(torch.randn(72, 2048, generator=g)).to(DEV)
+    xf, sf = reference.quantize_act_fp8(torch.randn(m, 2048, generator=g).to(DEV), True)
+    out = torch.full((m, 72), float("nan"), dtype=torch.bfloat16, device=DEV)
+    y = fp8_matmul(xf, sf, pf, torch.bfloat16, config=config, out=out)
+    assert rel_err(y, reference.fp8_mm(xf, sf, pf, torch.bfloat16)) < TOL[torch.bfloat16]
+    assert not split_k._WORKSPACE[(str(xf.device), torch.int32, "partials")].any()
 
 
 # The Gluon W8A8/FP8 kernel (gluon_scaled, M > 64 on Hopper): CPUs compile it for sm_90 and
