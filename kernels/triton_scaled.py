@@ -8,7 +8,9 @@ ordered in groups of GROUP_M row tiles so concurrently running tiles share B in 
 autotuner picks between one program per tile and persistent programs (one per SM walking the
 tiles in one flattened, software-pipelined loop, so a tile's loads overlap the previous
 tile's epilogue): at M = 4096 on an H200 the persistent ones won the large FP8 shapes
-(benchmarks/results/gemm_nvidia_h200_m4096.md).
+(benchmarks/results/gemm_nvidia_h200_m4096.md). Persistent configs with SPLIT_TAIL also split
+the K loops of the last, partial wave of tiles across all the programs (`_tail_split`), so
+that SMs do not idle through it (qwen_down FP8 at M = 4096 on an H100: 3.5–7.6% faster).
 
 At M ≤ 64 the K loop is also split across programs (`split_k.py`; int32 partials stay exact),
 so a weight of few column tiles fills the GPU: W8A8 at M = 1 on the Qwen2-7B down projection
@@ -131,9 +133,9 @@ def _tail_split(tiles, programs, iters, MAX_PARTS_PER_SM: tl.constexpr = 2,
     A part also fills the pipeline, stores its partial tile and may sum the others, and a
     partial wave runs at higher clocks under the power cap than a full one: on an H100 at
     M = 4096 with tiles of 128 × 256, qwen_down's last wave (52 of 448 tiles, 148 K steps)
-    split 5 ways was 4–8% faster than whole, but llama_up's (76 of 1792, 32 K steps) split 3
+    split 5 ways was 3.5–7.6% faster than whole, but llama_up's (76 of 1792, 32 K steps) split 3
     ways 4–7% slower, and that of Qwen2-7B's fused q/k/v projection (3584 × 4608: 48 of 576,
-    28 K steps) split 2 ways 6% slower.
+    28 K steps) split 2 ways 6–7% slower.
     Picks the s ≤ 8 of the fewest K steps, at most MAX_PARTS_PER_SM parts per program (the
     workspace); s = 1 (no split) unless it beats one round of whole tiles."""
     rest = tiles % programs
