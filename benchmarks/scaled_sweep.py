@@ -30,9 +30,14 @@ TILES = [(64, 64, 256, 4, 3), (64, 128, 256, 4, 3), (128, 64, 128, 8, 4),
 GROUPS = (4, 8, 16)
 
 
-def candidates(tiles=TILES, groups=GROUPS) -> list[dict]:
-    return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, GROUP_M=g, PERSISTENT=p)
-            for (bm, bn, bk, w, st), g, p in itertools.product(tiles, groups, (False, True))]
+# How the programs walk the tiles: (PERSISTENT, SPLIT_TAIL), see triton_scaled._scaled_mm_kernel.
+WALKS = ((False, False), (True, False), (True, True))
+
+
+def candidates(tiles=TILES, groups=GROUPS, walks=WALKS) -> list[dict]:
+    return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, GROUP_M=g, PERSISTENT=p,
+                 SPLIT_TAIL=t)
+            for (bm, bn, bk, w, st), g, (p, t) in itertools.product(tiles, groups, walks)]
 
 
 def gluon_candidates(tiles: list[tuple[int, ...]] | None = None, groups=GROUPS) -> list[dict]:
