@@ -11,6 +11,9 @@ The M = 1 GEMV (`triton_wna16`, without a fused epilogue) and the Gluon W4A16 ke
 (`gluon_wna16`) add their partials atomically instead (`ATOMIC`), into accumulators that the
 program completing a tile zeroes (`split_accumulators`), unless torch is in deterministic
 mode (`atomic_sums`).
+
+At M > 64 `triton_scaled`'s persistent programs may split the K loops of the last, partial wave
+of tiles; their partials go to tile-sized slots instead of `[M, N]` planes (`tail_buffers`).
 """
 
 from __future__ import annotations

@@ -343,6 +343,20 @@ def _launch(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor
     return _launch_triton(a, b, sa, sb, zc, rs, y, is_int, config)
 
 
+def _buffers(device: torch.device, m: int, n: int, k: int, sms: int,
+             config: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The workspace and counters a launch may sum partials in: the small-M splits' (sized for
+    the largest split the autotuner may pick), or, where persistent programs may split the last
+    wave (every large-M autotuned call, or a SPLIT_TAIL config), tile-sized slots."""
+    if config is not None and config.get("SPLIT_TAIL", False):
+        return tail_buffers(device, sms, config["BLOCK_M"] * config["BLOCK_N"])
+    if config is not None:
+        return split_workspaces(device, m, n, config.get("SPLIT_K", 1))
+    if m <= SMALL_M:
+        return split_workspaces(device, m, n, _max_split(m, n, k, device))
+    return tail_buffers(device, sms, SPLIT_TAIL_TILE)
+
+
 def _launch_triton(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
                    zc: torch.Tensor | None, rs: torch.Tensor | None, y: torch.Tensor,
                    is_int: bool, config: dict | None) -> torch.Tensor:
@@ -356,13 +370,7 @@ def _launch_triton(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch
     rs_t = rs if rs is not None else sa
     flags = dict(ROW_A=sa.numel() == m, ROW_B=sb.numel() == n, ZC=zc is not None, IS_INT=is_int)
     sms = sm_count(a.device, 4)
-    small = m <= SMALL_M
-    split = config.get("SPLIT_K", 1) if config is not None else None
-    max_split = split or (_max_split(m, n, k, a.device) if small else 1)
-    ws, cnt = split_workspaces(a.device, m, n, max_split)
-    if config.get("SPLIT_TAIL", False) if config is not None else not small:
-        tile = config["BLOCK_M"] * config["BLOCK_N"] if config is not None else SPLIT_TAIL_TILE
-        ws, cnt = tail_buffers(a.device, sms, tile)
+    ws, cnt = _buffers(a.device, m, n, k, sms, config)
 
     def grid(meta):
         tiles = triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])
@@ -373,12 +381,12 @@ def _launch_triton(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch
         meta = {kk: config[kk] for kk in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
         meta["PERSISTENT"] = bool(config.get("PERSISTENT", False))
         meta["SPLIT_TAIL"] = bool(config.get("SPLIT_TAIL", False))
-        meta["SPLIT_K"] = split
+        meta["SPLIT_K"] = config.get("SPLIT_K", 1)
         _set_blocks({"a_desc": a_desc, "b_desc": b_desc, **meta})
         _scaled_mm_kernel[grid](*args, **flags, **meta, num_warps=config.get("num_warps", 4),
                                 num_stages=config.get("num_stages", 2))
     else:
-        (_SMALL if small else _LARGE)[grid](*args, **flags)
+        (_SMALL if m <= SMALL_M else _LARGE)[grid](*args, **flags)
     return y
 
 
