@@ -3,10 +3,15 @@
 Times every candidate config of quantlab.kernels.triton_scaled and, with `--impls
 triton,gluon`, of quantlab.kernels.gluon_scaled (no autotuning) on the given
 shapes next to `torch._scaled_mm` / `torch._int_mm` (CUDA-graph replays, L2 flushed, as
-benchmarks/gemm.py times them), checks each against the torch reference and prints the best per case; `--out DIR` writes `scaled_sweep.json`. Used to
-pick LARGE_M_CONFIGS:
+benchmarks/gemm.py times them; `--rounds N`: N interleaved rounds, the median kept), checks
+each against the torch reference and prints the best per case; `--out DIR` writes
+`scaled_sweep.json`. Used to pick LARGE_M_CONFIGS:
 
     python benchmarks/scaled_sweep.py --kinds fp8 --ms 4096 --out DIR
+    python benchmarks/scaled_sweep.py --kinds fp8 --shapes qwen_down --tiles 128x256x128x8x3 --groups 8,16 --rounds 5
+
+(the second: one program per tile, persistent, and persistent with the last wave split, side
+by side).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -67,9 +73,11 @@ def main() -> None:
     ap.add_argument("--impls", default="triton", help="triton, gluon or both (comma-separated)")
     ap.add_argument("--gluon-tiles", default="", help="gluon tiles as --tiles (default: gluon_scaled.fitting)")
     ap.add_argument("--groups", default=",".join(map(str, GROUPS)), help="GROUP_M values")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved timing rounds (median kept)")
     args = ap.parse_args()
     _import_kernels()
     from quantlab.kernels import layout, reference
+    from quantlab.kernels.ops import interleaved_rounds
     from quantlab.kernels.triton_scaled import fp8_matmul, w8a8_matmul
     from quantlab.quant.activations import quantize_int8_weight
 
@@ -89,30 +97,37 @@ def main() -> None:
             xq, sx = reference.quantize_act_fp8(x, True)
             mm = fp8_matmul
             ref = reference.fp8_mm(xq, sx, p, torch.bfloat16)
-            base = bench(graphed(lambda: torch._scaled_mm(xq, p.w.t(), scale_a=sx.reshape(-1, 1),
-                                                          scale_b=p.scale.reshape(1, -1), out_dtype=torch.bfloat16)))
+            baseline = graphed(lambda: torch._scaled_mm(xq, p.w.t(), scale_a=sx.reshape(-1, 1),
+                                                        scale_b=p.scale.reshape(1, -1), out_dtype=torch.bfloat16))
         else:
             qw, scale = quantize_int8_weight(w)
             p = layout.PackedW8A8(qw, scale.reshape(-1), None)
             xq, sx = reference.quantize_act_int8(x)
             mm = w8a8_matmul
             ref = reference.w8a8_mm(xq, sx, p, torch.bfloat16)
-            base = bench(graphed(lambda: torch._int_mm(xq, qw.t())))
+            baseline = graphed(lambda: torch._int_mm(xq, qw.t()))
+        out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")  # one output: the graphs stay small
         run = lambda cfg: mm(xq, sx, p, torch.bfloat16, config={k: v for k, v in cfg.items() if k != "impl"},  # noqa: E731
-                             impl=cfg.get("impl", "triton"))
-        rows = []
+                             out=out, impl=cfg.get("impl", "triton"))
+        checked = []
         for cfg in configs:
             try:
                 err = float((run(cfg).float() - ref.float()).norm() / ref.float().norm())
-                t = bench(graphed(lambda: run(cfg)))
+                checked.append((cfg, err, graphed(lambda cfg=cfg: run(cfg))))
             except Exception as e:  # noqa: BLE001 — a config that does not fit is reported
                 print(f"  {cfg}: {repr(e)[:120]}", flush=True)
-                continue
-            rows.append(dict(shape=name, M=m, kind=kind, ms=t, rel_err=err, **cfg))
+        # the baseline and every config timed once per round, rounds interleaved (gemm.py's
+        # protocol: the clocks of a loaded GPU drift within a run)
+        timers = [lambda g=g: bench(g) for g in [baseline] + [g for _, _, g in checked]]
+        times = interleaved_rounds(timers, args.rounds, rotate=True)
+        base = statistics.median(times[0])
+        rows = [dict(shape=name, M=m, kind=kind, ms=statistics.median(ts), ms_rounds=ts, rel_err=err, **cfg)
+                for (cfg, err, _), ts in zip(checked, times[1:])]
         rows.sort(key=lambda r: r["ms"])
         print(f"\n{name} M={m} {kind}: baseline {base * 1e3:.1f}us", flush=True)
         for r in rows[: args.top]:
-            cfg = " ".join(f"{k}={v}" for k, v in r.items() if k not in ("shape", "M", "kind", "ms", "rel_err"))
+            cfg = " ".join(f"{k}={v}" for k, v in r.items()
+                           if k not in ("shape", "M", "kind", "ms", "ms_rounds", "rel_err"))
             print(f"  {r['ms'] * 1e3:7.1f}us  {base / r['ms']:.3f}x baseline  rel {r['rel_err']:.1e}  {cfg}", flush=True)
         results += rows + [dict(shape=name, M=m, kind=kind, baseline_ms=base)]
         if args.out:
