@@ -138,7 +138,7 @@ def tail_buffers(device: torch.device, programs: int,
     at most 2 parts per program): a float32 partial tile per part and a counter per tile
     (34.6 MB for 128 × 256 tiles on 132 SMs, the size of cuBLAS's own Hopper workspace)."""
     return (workspace(device, programs * 2 * tile_elems, torch.float32),
-            workspace(device, 2 * programs + 1, torch.int32))
+            workspace(device, programs, torch.int32))
 
 
 def atomic_sums() -> bool:

@@ -163,7 +163,6 @@ def _scaled_mm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, zc_ptr, rs_ptr, y_ptr, ws_
     if PERSISTENT:
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         whole = num_tiles
-        split = 1
         if SPLIT_TAIL:
             whole, split = _tail_split(num_tiles, tl.num_programs(0), tl.cdiv(K, BLOCK_K))
         for tile in tl.range(tl.program_id(0), whole, tl.num_programs(0), flatten=True):

@@ -989,6 +989,24 @@ def test_w8a8_kernel_matches_reference(m, symmetric, mode):
 
 
 @needs_triton
+@pytest.mark.parametrize("per_row", [True, False])
+@pytest.mark.parametrize("mode", ["tile", "split3"])
+def test_fp8_kernel_matches_reference(per_row, mode):
+    from quantlab.kernels import split_k
+    from quantlab.kernels.triton_scaled import fp8_matmul
+
+    p = layout.quantize_fp8_weight(torch.randn(72, 96), per_row).to(DEV)
+    for seed in (0, 1):  # a second call on the same split-K buffers
+        g = torch.Generator().manual_seed(seed)
+        xq, sx = reference.quantize_act_fp8(torch.randn(37, 96, generator=g).to(DEV), per_row)
+        out = torch.full((37, 72), float("nan"), dtype=torch.bfloat16, device=DEV)
+        y = fp8_matmul(xq, sx, p, torch.bfloat16, config=_scaled_config(mode), out=out)
+        assert rel_err(y, reference.fp8_mm(xq, sx, p, torch.bfloat16)) < TOL[torch.bfloat16]
+    if mode != "tile":
+        assert not split_k._WORKSPACE[(str(xq.device), torch.int32, "partials")].any()
+
+
+@needs_triton
 @pytest.mark.parametrize("m", [37, 96, 160])
 def test_split_tail_splits_the_last_wave(m):
     """4 persistent programs on a CPU, tiles of 32 × 32 × 32, K = 2048 (64 K steps): at M = 37 the
