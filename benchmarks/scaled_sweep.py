@@ -36,14 +36,15 @@ TILES = [(64, 64, 256, 4, 3), (64, 128, 256, 4, 3), (128, 64, 128, 8, 4),
 GROUPS = (4, 8, 16)
 
 
-# How the programs walk the tiles: (PERSISTENT, SPLIT_TAIL), see triton_scaled._scaled_mm_kernel.
-WALKS = ((False, False), (True, False), (True, True))
+# How the programs walk the tiles and store them: (PERSISTENT, SPLIT_TAIL, TMA_STORE), see
+# triton_scaled._scaled_mm_kernel (a TMA store that does not fit shared memory fails its check).
+WALKS = ((False, False, False), (True, False, False), (True, True, False), (True, False, True))
 
 
 def candidates(tiles=TILES, groups=GROUPS, walks=WALKS) -> list[dict]:
     return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, GROUP_M=g, PERSISTENT=p,
-                 SPLIT_TAIL=t)
-            for (bm, bn, bk, w, st), g, (p, t) in itertools.product(tiles, groups, walks)]
+                 SPLIT_TAIL=t, TMA_STORE=s)
+            for (bm, bn, bk, w, st), g, (p, t, s) in itertools.product(tiles, groups, walks)]
 
 
 def gluon_candidates(tiles: list[tuple[int, ...]] | None = None, groups=GROUPS) -> list[dict]:

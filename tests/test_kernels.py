@@ -962,7 +962,8 @@ def test_wna16_act_order_kernel(m):
 # K = 96: 3 K steps are too few to split), or the K loop (3 tiles of 32) split across programs.
 SCALED_MODES = {"tile": {}, "persistent": {"PERSISTENT": True},
                 "split_tail": {"PERSISTENT": True, "SPLIT_TAIL": True}, "split2": {"SPLIT_K": 2},
-                "split3": {"SPLIT_K": 3}}
+                "split3": {"SPLIT_K": 3}, "tma_store": {"TMA_STORE": True},
+                "persistent_tma_store": {"PERSISTENT": True, "TMA_STORE": True}}
 
 
 def _scaled_config(mode: str) -> dict | None:
@@ -990,7 +991,7 @@ def test_w8a8_kernel_matches_reference(m, symmetric, mode):
 
 @needs_triton
 @pytest.mark.parametrize("per_row", [True, False])
-@pytest.mark.parametrize("mode", ["tile", "split3"])
+@pytest.mark.parametrize("mode", ["tile", "split3", "persistent_tma_store"])
 def test_fp8_kernel_matches_reference(per_row, mode):
     from quantlab.kernels import split_k
     from quantlab.kernels.triton_scaled import fp8_matmul
@@ -1002,8 +1003,35 @@ def test_fp8_kernel_matches_reference(per_row, mode):
         out = torch.full((37, 72), float("nan"), dtype=torch.bfloat16, device=DEV)
         y = fp8_matmul(xq, sx, p, torch.bfloat16, config=_scaled_config(mode), out=out)
         assert rel_err(y, reference.fp8_mm(xq, sx, p, torch.bfloat16)) < TOL[torch.bfloat16]
-    if mode != "tile":
+    if mode == "split3":
         assert not split_k._WORKSPACE[(str(xq.device), torch.int32, "partials")].any()
+
+
+@needs_triton
+def test_tma_store_needs_aligned_output_rows():
+    """A TMA store takes rows that start 16 bytes apart: an explicit TMA_STORE config on an
+    fp16 output of N = 36 (72-byte rows) is refused with the reason; autotuned large-M calls
+    drop the TMA-store configs there instead (`_stores`) and keep them where N allows."""
+    from quantlab.kernels import triton_scaled as ts
+
+    p = layout.quantize_fp8_weight(torch.randn(36, 64)).to(DEV)
+    xq, sx = reference.quantize_act_fp8(torch.randn(5, 64).to(DEV), True)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        ts.fp8_matmul(xq, sx, p, torch.float16, config=_scaled_config("tma_store"))
+    y = ts.fp8_matmul(xq, sx, p, torch.float16, config=_scaled_config("tile"))
+    assert rel_err(y, reference.fp8_mm(xq, sx, p, torch.float16)) < TOL[torch.float16]
+    tma = [c for c in ts.LARGE_M_CONFIGS if c.kwargs["TMA_STORE"]]
+    assert tma and all(c.kwargs["PERSISTENT"] and not c.kwargs["SPLIT_TAIL"] for c in tma)
+    assert ts._stores(ts.LARGE_M_CONFIGS, {"y_desc": None}) == [
+        c for c in ts.LARGE_M_CONFIGS if c not in tma]
+    assert ts._stores(ts.LARGE_M_CONFIGS, {"y_desc": object()}) == ts.LARGE_M_CONFIGS
+    assert ts._store_desc(torch.empty(4, 36, dtype=torch.float16)) is None
+    assert ts._store_desc(torch.empty(4, 40, dtype=torch.float16)) is not None
+    # an autotuner config as `retime_top` launches it: the TMA store on N = 40 (80-byte rows)
+    p = layout.quantize_fp8_weight(torch.randn(40, 64)).to(DEV)
+    cfg = ts._config_dict(ts._cfg(32, 32, 32, 4, 2, group_m=2, persistent=True, tma_store=True))
+    y = ts.fp8_matmul(xq, sx, p, torch.float16, config=cfg)
+    assert rel_err(y, reference.fp8_mm(xq, sx, p, torch.float16)) < TOL[torch.float16]
 
 
 @needs_triton
@@ -1102,6 +1130,31 @@ def test_fastest_compares_interleaved_medians(monkeypatch):
     monkeypatch.setattr(ops, "autotune_bench", fake_bench)
     assert ops.fastest([lambda: "a", lambda: "b", lambda: "c"]) == 1  # medians 1.0, 0.9, 1.2
     assert calls == ["a", "b", "c"] * 3
+
+
+def test_retime_top_keeps_the_best_median_of_the_autotuners_best(monkeypatch):
+    """`ops.retime_top` re-times the autotuner's `top` configs (by its one timing, median first)
+    in `fastest`'s interleaved rounds and caches the winner for each new key; a tuner without
+    timings keeps its pick."""
+    import types
+
+    timings = {"a": [1.00, 0.9, 1.1], "b": [0.98, 0.9, 1.0], "c": [1.02, 1.0, 1.1], "d": [2.0, 2.0, 2.0]}
+    tuner = types.SimpleNamespace(cache={("k",): "b"}, configs_timings=timings)
+    seen: list[list[str]] = []
+
+    def fake_fastest(runs):
+        names = [run() for run in runs]
+        seen.append(names)
+        return names.index("c")  # the interleaved rounds favour the autotuner's third
+
+    monkeypatch.setattr(ops, "fastest", fake_fastest)
+    ops.retime_top(tuner, {("k",)}, launch=lambda c: c, top=3)
+    assert seen == [["b", "a", "c"]] and tuner.cache[("k",)] == "c"
+    ops.retime_top(tuner, set(), launch=lambda c: c)  # nothing new: nothing timed
+    assert len(seen) == 1
+    bare = types.SimpleNamespace(cache={("k",): "b"})
+    ops.retime_top(bare, {("k",)}, launch=lambda c: c)
+    assert bare.cache[("k",)] == "b" and len(seen) == 1
 
 
 def test_gluon_scaled_path_only_where_it_applies():
