@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import enum
 import importlib.util
+import math
 import os
 import statistics
 from typing import Callable, Sequence, TypeVar
@@ -164,7 +165,8 @@ def retime_top(tuner, keys, launch: Callable[[object], object], top: int = 3) ->
     timings = getattr(tuner, "configs_timings", None)
     if not timings:
         return
-    ranked = sorted(timings, key=lambda c: _first(timings[c]))[:top]
+    ran = [c for c in timings if math.isfinite(_first(timings[c]))]  # inf: did not compile
+    ranked = sorted(ran, key=lambda c: _first(timings[c]))[:top]
     for key in keys:
         if len(ranked) > 1:
             tuner.cache[key] = ranked[fastest([lambda c=c: launch(c) for c in ranked])]

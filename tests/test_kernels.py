@@ -1138,7 +1138,9 @@ def test_retime_top_keeps_the_best_median_of_the_autotuners_best(monkeypatch):
     timings keeps its pick."""
     import types
 
-    timings = {"a": [1.00, 0.9, 1.1], "b": [0.98, 0.9, 1.0], "c": [1.02, 1.0, 1.1], "d": [2.0, 2.0, 2.0]}
+    inf = float("inf")
+    timings = {"a": [1.00, 0.9, 1.1], "b": [0.98, 0.9, 1.0], "c": [1.02, 1.0, 1.1], "d": [2.0, 2.0, 2.0],
+               "e": [inf, inf, inf]}  # a config that did not compile is never launched
     tuner = types.SimpleNamespace(cache={("k",): "b"}, configs_timings=timings)
     seen: list[list[str]] = []
 
@@ -1150,11 +1152,13 @@ def test_retime_top_keeps_the_best_median_of_the_autotuners_best(monkeypatch):
     monkeypatch.setattr(ops, "fastest", fake_fastest)
     ops.retime_top(tuner, {("k",)}, launch=lambda c: c, top=3)
     assert seen == [["b", "a", "c"]] and tuner.cache[("k",)] == "c"
+    ops.retime_top(tuner, {("k",)}, launch=lambda c: c, top=9)
+    assert seen[-1] == ["b", "a", "c", "d"]
     ops.retime_top(tuner, set(), launch=lambda c: c)  # nothing new: nothing timed
-    assert len(seen) == 1
+    assert len(seen) == 2
     bare = types.SimpleNamespace(cache={("k",): "b"})
     ops.retime_top(bare, {("k",)}, launch=lambda c: c)
-    assert bare.cache[("k",)] == "b" and len(seen) == 1
+    assert bare.cache[("k",)] == "b" and len(seen) == 2
 
 
 def test_gluon_scaled_path_only_where_it_applies():
