@@ -167,9 +167,9 @@ def retime_top(tuner, keys, launch: Callable[[object], object], top: int = 3) ->
         return
     ran = [c for c in timings if math.isfinite(_first(timings[c]))]  # inf: did not compile
     ranked = sorted(ran, key=lambda c: _first(timings[c]))[:top]
-    for key in keys:
-        if len(ranked) > 1:
-            tuner.cache[key] = ranked[fastest([lambda c=c: launch(c) for c in ranked])]
+    if keys and len(ranked) > 1:
+        best = ranked[fastest([lambda c=c: launch(c) for c in ranked])]
+        tuner.cache.update(dict.fromkeys(keys, best))
 
 
 def _first(timing) -> float:

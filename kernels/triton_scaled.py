@@ -427,10 +427,11 @@ def _launch_triton(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch
     elif m <= SMALL_M:
         _SMALL[grid](*args, **flags)
     else:
-        known = set(_LARGE.cache)
+        tuned = len(_LARGE.cache)
         _LARGE[grid](*args, **flags)
-        if not interpret_mode():  # the large configs differ by a few percent: re-time the best
-            retime_top(_LARGE, set(_LARGE.cache) - known,
+        if len(_LARGE.cache) > tuned and not interpret_mode():
+            # a new shape was just tuned (its key the last one cached): re-time its best few
+            retime_top(_LARGE, [next(reversed(_LARGE.cache))],
                        lambda c: _launch_triton(a, b, sa, sb, zc, rs, y, is_int, _config_dict(c)))
     return y
 
