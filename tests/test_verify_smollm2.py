@@ -1,7 +1,14 @@
 """Issue 6 bar 4 on the CPU (slow): the bundled runner against the fake-quant model on real
 SmolLM2 runs — W4A16 AWQ, W4A16 GPTQ with act_order, W8A8 SmoothQuant, FP8 with an int8 KV
 cache — through benchmarks/verify_runner.py at a small size (8 prompts × 32 greedy tokens,
-4 perplexity windows, 8 calibration samples).
+8 calibration samples).
+
+Perplexity is taken on 16 windows of 512, not fewer: FP8 with an int8 KV cache is chaotic in
+float32 (a last-bit difference flips an e4m3 code and the flip grows through 30 layers), so on
+few tokens its perplexity is mostly rounding. On a Xeon, the fake-quant model's own 4-window
+perplexity sits 0.48 % from its float64 copy, and the runner's sits 0.63 % from the fake-quant
+model's; on 8 windows it sits 0.31 % away, on 16 windows 0.10 %. The CPU model decides which
+codes flip, so a 4-window bar passes or fails by machine.
 
 Weight-only schemes must agree on ≥ 99 % of greedy tokens. Schemes that round activations
 have a floor below that: the fake-quant model disagrees with its own float64 copy where a
@@ -27,10 +34,10 @@ WEIGHT_ONLY = ("w4a16-awq", "w4a16-gptq-act_order")
 ROUNDING = ("w8a8-smoothquant", "fp8-int8-kv")
 
 
-def verify_rows(work, *extra: str) -> dict[str, dict]:
+def verify_rows(work, *extra: str, windows: int = 16) -> dict[str, dict]:
     out = work / "result.json"
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "verify_runner.py"), "--device", "cpu",
-                           "--prompts", "8", "--new-tokens", "32", "--windows", "4", "--calib-samples", "8",
+                           "--prompts", "8", "--new-tokens", "32", "--windows", str(windows), "--calib-samples", "8",
                            "--work", str(work), "--out", str(out), *extra],
                           capture_output=True, text=True, cwd=REPO, timeout=3600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -67,7 +74,7 @@ def test_activation_rounding_runner_matches_in_float64(tmp_path):
     """verify.precision float64: with rounding out of the way the runner computes what the
     fake-quant model computes — the same logits to float64 rounding, ≥ 99 % of greedy tokens
     (in fact all) and the same perplexity."""
-    rows64 = verify_rows(tmp_path, "--precision", "float64", "--only", ",".join(ROUNDING))
+    rows64 = verify_rows(tmp_path, "--precision", "float64", "--only", ",".join(ROUNDING), windows=4)
     assert set(rows64) == set(ROUNDING)
     for case, r in rows64.items():
         assert r["greedy_agreement"] >= 0.99 and r["meets_bar"], (case, r["greedy_agreement"])
