@@ -19,6 +19,9 @@
 #ifndef HALF
 #define HALF 0
 #endif
+#ifndef FINISH  // 0: for timing only, each CTA stores its own partial (a wrong y), no cluster sum
+#define FINISH 1
+#endif
 typedef unsigned int u32;
 typedef unsigned short u16;
 
@@ -43,6 +46,17 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
   asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
       : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
   return r;
+}
+__device__ __forceinline__ uint4 ld_u4(const void* p) {
+  uint4 r;
+  asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+// The activation's factor for stored slot s, 2^(64 − sh): sh is where the slot's code sits in
+// the register block_dot masks (slots 5–7 come from the word shifted right by 12).
+__device__ __forceinline__ float x_factor(int s) {
+  const int sh = s <= 4 ? 4 * s : 4 * s - 12;
+  return __uint_as_float((u32)(127 + 64 - sh) << 23);
 }
 __device__ __forceinline__ uint2 ld_u2(const void* p) {
   uint2 r;
@@ -112,7 +126,9 @@ w4_gemv_cluster(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
   __shared__ float gather[CL][128 / CL];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const u32 rank = cluster_rank();
+#if FINISH
   cluster_arrive_relaxed();  // waited on before the first remote store: every CTA has started
+#endif
   const int P = CL * NW, p = rank * NW + warp;
   const int cb0 = (int)((long)rank * NW * NBLK / P), cb1 = (int)((long)(rank + 1) * NW * NBLK / P);
   const int b0 = (int)((long)p * NBLK / P), b1 = (int)((long)(p + 1) * NBLK / P);
@@ -133,18 +149,41 @@ w4_gemv_cluster(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
     zn = ld_u2(zr + g);
   }
 
-  // The CTA's activations, scaled per stored slot, and each block's plain sum.
-  for (int lb = warp; lb < cb1 - cb0; lb += NW) {
-    float tot = 0.f;
+  // The CTA's activations, scaled per stored slot, and each block's plain sum. All loads are
+  // issued before any is used (one trip to memory, not one per block), 8 activations a load.
+  const int kbeg = 64 * cb0, kend = min(64 * cb1, K);
+  constexpr int XLOADS = (MAXB * 8 + NW * 32 - 1) / (NW * 32);
+  uint4 xv[XLOADS];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      int pos = lane + 32 * h, j = pos >> 3, s = pos & 7;
-      int k = 64 * (cb0 + lb) + 16 * (s & 3) + 2 * j + (s >> 2);
-      float v = k < K ? to_f(x[k]) : 0.f;
-      tot += v;
-      int sh = s <= 4 ? 4 * s : 4 * s - 12;
-      xs[lb * 64 + pos] = v * __uint_as_float((u32)(127 + 64 - sh) << 23);
+  for (int i = 0; i < XLOADS; ++i) {
+    const int k8 = kbeg + 8 * (threadIdx.x + i * NW * 32);
+    xv[i] = make_uint4(0, 0, 0, 0);
+    if (k8 + 8 <= kend) {  // x is 16-byte aligned (the launcher checks)
+      xv[i] = ld_u4(x + k8);
+    } else if (k8 < kend) {
+      u32 h[8];  // the CTA range's end, where K is not a multiple of 8
+#pragma unroll
+      for (int e = 0; e < 8; ++e) h[e] = k8 + e < kend ? x[k8 + e] : 0;
+      xv[i] = make_uint4(h[0] | h[1] << 16, h[2] | h[3] << 16, h[4] | h[5] << 16, h[6] | h[7] << 16);
     }
+  }
+#pragma unroll
+  for (int i = 0; i < XLOADS; ++i) {
+    const int r8 = 8 * (threadIdx.x + i * NW * 32);
+    const u32 words[4] = {xv[i].x, xv[i].y, xv[i].z, xv[i].w};
+    if (r8 < 64 * (cb1 - cb0)) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const int r = r8 + e, o = r & 63;  // k = 16d + 2j + h of block r / 64 is slot 4h + d of word j
+        const int slot = 4 * (o & 1) + (o >> 4), j = (o & 15) >> 1;
+        xs[(r & ~63) + 8 * j + slot] = to_f((u16)(words[e >> 1] >> (16 * (e & 1)))) * x_factor(slot);
+      }
+    }
+  }
+  __syncthreads();
+  for (int lb = warp; lb < cb1 - cb0; lb += NW) {
+    const int s = lane & 7;  // positions lane and lane + 32 hold slot s
+    float tot = (xs[lb * 64 + lane] + xs[lb * 64 + lane + 32]) / x_factor(s);
 #pragma unroll
     for (int o = 16; o; o >>= 1) tot += __shfl_xor_sync(0xffffffffu, tot, o);
     if (lane == 0) xsum[lb] = tot;
@@ -182,6 +221,7 @@ w4_gemv_cluster(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
 
   *reinterpret_cast<float4*>(&red[warp][4 * lane]) = make_float4(acc[0], acc[1], acc[2], acc[3]);
   __syncthreads();
+#if FINISH
   cluster_wait();
   for (int c = threadIdx.x; c < 128; c += NW * 32) {
     float v = 0.f;
@@ -198,4 +238,13 @@ w4_gemv_cluster(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
     for (int r = 0; r < CL; ++r) v += gather[r][threadIdx.x];
     if (c < N) y[c] = from_f(v);
   }
+#else
+  if (threadIdx.x < 128 / CL) {  // the same stores as the cluster sum makes, of this CTA's part
+    const int c = rank * (128 / CL) + threadIdx.x;
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) v += red[w][c];
+    if (blockIdx.x * 128 + c < N) y[blockIdx.x * 128 + c] = from_f(v);
+  }
+#endif
 }

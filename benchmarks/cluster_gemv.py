@@ -11,7 +11,9 @@ flushed clean before each, median of interleaved rounds).
 
     python benchmarks/cluster_gemv.py [--shapes qwen_down,qwen_up] [--variants 4x8,2x8] --out DIR
 
-Variants are NWxCL: NW warps per CTA, CL CTAs per cluster (NW·CL K ranges per 128 columns).
+Variants are NWxCL: NW warps per CTA, CL CTAs per cluster (NW·CL K ranges per 128 columns);
+NWxCLn is the same kernel without the cluster's sum (each CTA stores its own partial: a wrong y,
+timed only), which prices the on-chip finish.
 Prints a table and writes `cluster_gemv_<tag>.{json,md}`.
 """
 
@@ -75,17 +77,20 @@ def compile_cubin(source: str, options: list[str], arch: str = "sm_90a") -> tupl
     return cubin.raw, log.value.decode()
 
 
-def load(nw: int, cl: int, half: bool):
+def load(nw: int, cl: int, half: bool, finish: bool = True):
     """The compiled kernel (torch's loader of NVRTC modules) and its ptxas resource line."""
     from torch.cuda._utils import _cuda_load_module
 
-    cubin, log = compile_cubin(SOURCE.read_text(), [f"-DNW={nw}", f"-DCL={cl}", f"-DHALF={int(half)}"])
+    defines = {"NW": nw, "CL": cl, "HALF": int(half), "FINISH": int(finish)}
+    cubin, log = compile_cubin(SOURCE.read_text(), [f"-D{k}={v}" for k, v in defines.items()])
     usage = next((ln.split(":", 1)[1].strip() for ln in log.splitlines() if "registers" in ln), "")
     return _cuda_load_module(cubin, [KERNEL])[KERNEL], usage
 
 
 def launcher(kern, x: torch.Tensor, p, y: torch.Tensor, nw: int, cl: int):
     """A no-argument call of the kernel on the packed weight `p` (PackedWNA16, int4)."""
+    if x.data_ptr() % 16 or not x.is_contiguous():
+        raise ValueError("x must be contiguous and 16-byte aligned (the kernel loads 8 activations at a time)")
     nblk = p.qweight.shape[0] // 8
     bpg = p.group_size // 64 if p.group_size else nblk
     args = [x, p.qweight, p.scales, p.zeros, y, p.out_features, p.in_features, nblk, bpg, p.scales.shape[0]]
@@ -106,7 +111,7 @@ def run(args) -> dict:
     from quantlab.kernels.ops import interleaved_rounds
     from read_floor import read_packed
 
-    variants = [tuple(int(v) for v in s.split("x")) for s in args.variants.split(",")]
+    variants = [(*map(int, v.rstrip("n").split("x")), not v.endswith("n")) for v in args.variants.split(",")]
     rows = []
     for name in args.shapes.split(","):
         k, n = SHAPES[name]
@@ -118,18 +123,18 @@ def run(args) -> dict:
         runs = {"bf16": lambda: F.linear(x, case.w), "read floor": lambda: read_packed(case.w4, floor_out),
                 "triton GEMV": triton}
         checks = {"triton GEMV": {"rel": rel_err(triton(), ref)}}
-        for nw, cl in variants:
+        for nw, cl, finish in variants:
             if not fits(k, n, cl):
                 continue
-            kern, usage = load(nw, cl, half=False)
+            kern, usage = load(nw, cl, half=False, finish=finish)
             y = torch.empty(1, n, dtype=torch.bfloat16, device="cuda")
             fn = launcher(kern, x, case.w4, y, nw, cl)
             fn()
             first = y.clone()
             fn()
-            label = f"cluster {nw}x{cl}"
+            label = f"cluster {nw}x{cl}" + ("" if finish else " no sum (timing only)")
             checks[label] = {"rel": rel_err(y, ref), "repeat_identical": torch.equal(first, y), "ptxas": usage}
-            if checks[label]["rel"] > 1e-2:
+            if finish and checks[label]["rel"] > 1e-2:
                 raise SystemExit(f"{label} on {name}: rel error {checks[label]['rel']:.2e} against the reference")
             runs[label] = fn
         labels = list(runs)
@@ -157,7 +162,7 @@ def markdown(res: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="qwen_down,qwen_up")
-    ap.add_argument("--variants", default="4x8,2x8,8x8,8x4,4x4,4x2")
+    ap.add_argument("--variants", default="4x8,4x8n,2x8,8x8,8x4,4x4,4x2")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=str(HERE / "results"))
