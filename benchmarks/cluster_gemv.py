@@ -15,6 +15,10 @@ Variants are NWxCL: NW warps per CTA, CL CTAs per cluster (NW·CL K ranges per 1
 NWxCLn is the same kernel without the cluster's sum (each CTA stores its own partial: a wrong y,
 timed only), which prices the on-chip finish.
 Prints a table and writes `cluster_gemv_<tag>.{json,md}`.
+
+On an H200 (session 26) every variant was slower than the Triton GEMV: the best, 8x8, took 17.95
+µs on qwen_down against 16.70, and without its sum it was still slower (the on-chip finish cost
+0.6 µs; the loop is what loses). benchmarks/README.md has the table.
 """
 
 from __future__ import annotations

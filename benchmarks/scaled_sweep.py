@@ -63,6 +63,29 @@ def parse_tiles(text: str) -> list[tuple[int, ...]]:
     return [tuple(int(v) for v in t.split("x")) for t in text.split(",")] if text else TILES
 
 
+def problem(kind: str, m: int, k: int, n: int):
+    """One prefill GEMM on random data: (the kernel's matmul, quantized activations, their
+    scales, the packed weight, the torch reference, torch's own kernel as a graph replay)."""
+    from quantlab.kernels import layout, reference
+    from quantlab.kernels.triton_scaled import fp8_matmul, w8a8_matmul
+    from quantlab.quant.activations import quantize_int8_weight
+
+    x = torch.randn(m, k, device="cuda")
+    w = torch.randn(n, k, device="cuda")
+    if kind == "fp8":
+        p = layout.quantize_fp8_weight(w, True)
+        xq, sx = reference.quantize_act_fp8(x, True)
+        ref = reference.fp8_mm(xq, sx, p, torch.bfloat16)
+        baseline = graphed(lambda: torch._scaled_mm(xq, p.w.t(), scale_a=sx.reshape(-1, 1),
+                                                    scale_b=p.scale.reshape(1, -1), out_dtype=torch.bfloat16))
+        return fp8_matmul, xq, sx, p, ref, baseline
+    qw, scale = quantize_int8_weight(w)
+    p = layout.PackedW8A8(qw, scale.reshape(-1), None)
+    xq, sx = reference.quantize_act_int8(x)
+    ref = reference.w8a8_mm(xq, sx, p, torch.bfloat16)
+    return w8a8_matmul, xq, sx, p, ref, graphed(lambda: torch._int_mm(xq, qw.t()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -77,10 +100,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="interleaved timing rounds (median kept)")
     args = ap.parse_args()
     _import_kernels()
-    from quantlab.kernels import layout, reference
     from quantlab.kernels.ops import interleaved_rounds
-    from quantlab.kernels.triton_scaled import fp8_matmul, w8a8_matmul
-    from quantlab.quant.activations import quantize_int8_weight
 
     print(f"# {torch.cuda.get_device_name()}", flush=True)
     groups = [int(g) for g in args.groups.split(",")]
@@ -91,22 +111,7 @@ def main() -> None:
     for name, m, kind in itertools.product(args.shapes.split(","), [int(v) for v in args.ms.split(",")],
                                            args.kinds.split(",")):
         k, n = SHAPES[name]
-        x = torch.randn(m, k, device="cuda")
-        w = torch.randn(n, k, device="cuda")
-        if kind == "fp8":
-            p = layout.quantize_fp8_weight(w, True)
-            xq, sx = reference.quantize_act_fp8(x, True)
-            mm = fp8_matmul
-            ref = reference.fp8_mm(xq, sx, p, torch.bfloat16)
-            baseline = graphed(lambda: torch._scaled_mm(xq, p.w.t(), scale_a=sx.reshape(-1, 1),
-                                                        scale_b=p.scale.reshape(1, -1), out_dtype=torch.bfloat16))
-        else:
-            qw, scale = quantize_int8_weight(w)
-            p = layout.PackedW8A8(qw, scale.reshape(-1), None)
-            xq, sx = reference.quantize_act_int8(x)
-            mm = w8a8_matmul
-            ref = reference.w8a8_mm(xq, sx, p, torch.bfloat16)
-            baseline = graphed(lambda: torch._int_mm(xq, qw.t()))
+        mm, xq, sx, p, ref, baseline = problem(kind, m, k, n)
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")  # one output: the graphs stay small
         run = lambda cfg: mm(xq, sx, p, torch.bfloat16, config={k: v for k, v in cfg.items() if k != "impl"},  # noqa: E731
                              out=out, impl=cfg.get("impl", "triton"))

@@ -154,13 +154,14 @@ def fastest(runs: Sequence[Callable[[], object]], rounds: int = 3) -> int:
     return min(range(len(runs)), key=medians.__getitem__)
 
 
-def retime_top(tuner, keys, launch: Callable[[object], object], top: int = 3) -> None:
+def retime_top(tuner, keys, launch: Callable[[object], object], top: int = 6, rounds: int = 5) -> None:
     """For each key a Triton autotuner has just benchmarked (`keys`, new in `tuner.cache`):
-    time its `top` fastest configs again in interleaved rounds (`fastest`, each config run by
-    `launch(config)`) and keep the best median. The autotuner times every config once, and
-    among configs within a few percent of each other that timing is noise: on an H100 the
-    large-M FP8 autotuner's six best configs for Llama-3-8B's up projection timed 331.8–335.5
-    µs, then 367.9–378.8 in interleaved rounds, its pick the slowest of them (session 24).
+    time its `top` fastest configs again in `rounds` interleaved rounds (`fastest`, each config
+    run by `launch(config)`) and keep the best median. The autotuner times every config once,
+    in turn, and among configs within a few percent of each other that timing is noise. On an
+    H200 at M = 4096 (FP8; `benchmarks/autotune_rank.py`, session 26) the config fastest in
+    interleaved rounds was the autotuner's 1st, 5th, 6th and 6th on four MLP shapes: the 3
+    best kept it 0.8–3.7% slower on three of them, the 6 best found it on all four.
     Needs the autotuner's `configs_timings` (Triton ≥ 3.2); without them the pick stands."""
     timings = getattr(tuner, "configs_timings", None)
     if not timings:
@@ -168,7 +169,7 @@ def retime_top(tuner, keys, launch: Callable[[object], object], top: int = 3) ->
     ran = [c for c in timings if math.isfinite(_first(timings[c]))]  # inf: did not compile
     ranked = sorted(ran, key=lambda c: _first(timings[c]))[:top]
     if keys and len(ranked) > 1:
-        best = ranked[fastest([lambda c=c: launch(c) for c in ranked])]
+        best = ranked[fastest([lambda c=c: launch(c) for c in ranked], rounds)]
         tuner.cache.update(dict.fromkeys(keys, best))
 
 

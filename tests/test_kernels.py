@@ -1143,17 +1143,19 @@ def test_retime_top_keeps_the_best_median_of_the_autotuners_best(monkeypatch):
                "e": [inf, inf, inf]}  # a config that did not compile is never launched
     tuner = types.SimpleNamespace(cache={("k",): "b"}, configs_timings=timings)
     seen: list[list[str]] = []
+    rounds_asked: list[int] = []
 
-    def fake_fastest(runs):
+    def fake_fastest(runs, rounds):
         names = [run() for run in runs]
         seen.append(names)
+        rounds_asked.append(rounds)
         return names.index("c")  # the interleaved rounds favour the autotuner's third
 
     monkeypatch.setattr(ops, "fastest", fake_fastest)
     ops.retime_top(tuner, {("k",)}, launch=lambda c: c, top=3)
     assert seen == [["b", "a", "c"]] and tuner.cache[("k",)] == "c"
-    ops.retime_top(tuner, {("k",)}, launch=lambda c: c, top=9)
-    assert seen[-1] == ["b", "a", "c", "d"]
+    ops.retime_top(tuner, {("k",)}, launch=lambda c: c, top=9, rounds=7)
+    assert seen[-1] == ["b", "a", "c", "d"] and rounds_asked == [5, 7]
     ops.retime_top(tuner, set(), launch=lambda c: c)  # nothing new: nothing timed
     assert len(seen) == 2
     bare = types.SimpleNamespace(cache={("k",): "b"})
