@@ -57,13 +57,16 @@ DEEP_GEMV += [(bn, w, True, True, st) for bn, w in ((256, 1), (512, 2), (1024, 4
 # µs at split 28 against 19.7 for 128 columns at split 32.
 DEEP_GEMV += [(64, 1, True, True, st) for st in (1, 3, 4)]
 GEMV_SPLITS = (2, 4, 8, 16, 32)
-# The Gluon kernel (sm_90, M ≤ 64; gluon_wna16): (block_n, stages, red, atomic); split-K is
-# swept over GLUON_SPLITS and the whole-wave splits. `red` only matters for the ordered sum.
+# The Gluon kernel (sm_90, M ≤ 64; gluon_wna16): (block_n, stages, red, atomic, warps); split-K
+# is swept over GLUON_SPLITS and the whole-wave splits. `red` only matters for the ordered sum.
 GLUON_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
-GLUON = [(bn, st, red, False) for bn, st, red in ((64, 2, 2), (64, 2, 4), (64, 2, 8), (128, 2, 1),
-                                                   (128, 2, 2), (128, 2, 4), (64, 3, 4), (64, 4, 4),
-                                                   (128, 3, 4), (128, 4, 4))]
-GLUON += [(bn, st, 1, True) for bn in (64, 128) for st in (2, 3)]
+GLUON = [(bn, st, red, False, 4) for bn, st, red in ((64, 2, 2), (64, 2, 4), (64, 2, 8), (128, 2, 1),
+                                                      (128, 2, 2), (128, 2, 4), (64, 3, 4), (64, 4, 4),
+                                                      (128, 3, 4), (128, 4, 4))]
+GLUON += [(bn, st, 1, True, 4) for bn in (64, 128) for st in (2, 3)]
+# Two warpgroups per 128 columns: on an H200 the 4-warp kernel took about the H100's time at
+# M = 16 (qwen_up 19.8 against 20.6 µs), 5–6 µs over the read floor: bound by its latency.
+GLUON += [(128, st, red, atomic, 8) for st, red, atomic in ((2, 1, True), (3, 1, True), (2, 2, False))]
 
 
 def configs(m: int, nblk: int, deep: str | None = None, n: int = 1,
@@ -86,8 +89,8 @@ def configs(m: int, nblk: int, deep: str | None = None, n: int = 1,
                 for sk in (splits(SPLITS, -(-n // bn) * -(-m // bm)) if m <= 64 else (1,))
                 if sk == 1 or nblk // u >= 2 * sk]
     if m <= 64 and torch.cuda.get_device_capability()[0] == 9:
-        out += [("gluon", dict(block_n=bn, split=sk, stages=st, red=red, atomic=atomic))
-                for bn, st, red, atomic in GLUON if n % bn == 0
+        out += [("gluon", dict(block_n=bn, split=sk, stages=st, red=red, atomic=atomic, warps=w))
+                for bn, st, red, atomic, w in GLUON if n % bn == 0
                 for sk in splits(GLUON_SPLITS, n // bn) if sk <= nblk // 2]
     if m == 1:
         gemv = {"": GEMV, "add": GEMV + DEEP_GEMV, "only": DEEP_GEMV}[deep or ""]

@@ -144,8 +144,8 @@ def _w4_kernel(w_desc, x_desc, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, NG,
     BN: gl.constexpr = w_desc.block_type.shape[1]
     BM: gl.constexpr = x_desc.block_type.shape[0]
     FP16: gl.constexpr = x_desc.dtype == gl.float16
-    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BM, 16])
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BM, 16])  # 8 warps: 2 warpgroups
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
     W_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=1)
     pid_n = gl.program_id(0)
@@ -196,12 +196,12 @@ def _w4_kernel(w_desc, x_desc, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, NG,
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
-    _finish(acc, y_ptr, ws_ptr, cnt_ptr, M, N, pid_n, pid_k, split, RED, ATOMIC)
+    _finish(acc, y_ptr, ws_ptr, cnt_ptr, M, N, pid_n, pid_k, split, RED, ATOMIC, num_warps)
 
 
 @gluon.jit
 def _finish(acc, y_ptr, ws_ptr, cnt_ptr, M, N, pid_n, pid_k, split, RED: gl.constexpr,
-            ATOMIC: gl.constexpr):
+            ATOMIC: gl.constexpr, NW: gl.constexpr):
     """Write the tile `acc [BN, BM]` (weight columns × tokens) to `y [M, N]`. Split, each
     program adds its partial into the tile's float32 accumulator (ATOMIC: order of arrival) or
     stores it (else), and the program arriving last writes y: from the accumulator, which it
@@ -213,7 +213,7 @@ def _finish(acc, y_ptr, ws_ptr, cnt_ptr, M, N, pid_n, pid_k, split, RED: gl.cons
     BN: gl.constexpr = acc.shape[0]
     BM: gl.constexpr = acc.shape[1]
     TN: gl.constexpr = 32 if BN >= 128 else BN // 4
-    OUT: gl.constexpr = gl.BlockedLayout([4, 1], [TN, 32 // TN], [1, 4], [0, 1])
+    OUT: gl.constexpr = gl.BlockedLayout([4, 1], [TN, 32 // TN], [1, NW], [0, 1])
     out = gl.convert_layout(acc, OUT)
     cols = gl.arange(0, BN, layout=gl.SliceLayout(1, OUT))
     rows = gl.arange(0, BM, layout=gl.SliceLayout(0, OUT))
@@ -264,7 +264,9 @@ MIN_WEIGHTS = 1 << 20  # N·K from which the auto path takes this kernel: it bea
 class Plan:
     """One launch's shape: `block_n` weight columns × `block_m` tokens per program, the K groups
     split over `split` programs, a `stages`-deep TMA ring; the split-K partials added
-    atomically (`atomic`), or stored and summed in split order, `red` loads per round."""
+    atomically (`atomic`), or stored and summed in split order, `red` loads per round; `warps`
+    4 (one warpgroup) or 8 (two, each 64 of 128 columns: half the dequantization and wgmma
+    chain per thread, for the latency the kernel is bound by at M = 16 on an H200)."""
 
     block_n: int
     block_m: int
@@ -272,6 +274,7 @@ class Plan:
     stages: int
     red: int
     atomic: bool
+    warps: int = 4
 
 
 def preferred(p: PackedWNA16) -> bool:
@@ -299,7 +302,7 @@ def split_for(tiles: int, groups: int, sms: int, rule: TileRule) -> int:
 
 def plan(m: int, n: int, groups: int, sms: int, block_n: int | None = None,
          split: int | None = None, stages: int = 2, red: int | None = None,
-         atomic: bool | None = None) -> Plan:
+         atomic: bool | None = None, warps: int = 4) -> Plan:
     """The launch for `[m, K] · [K, n]`: the smallest token tile that holds m; atomic adds of
     the partials unless torch is asked for deterministic algorithms; 128 or 64 columns and
     the split by RULES; for the ordered sum, as many partials per round as fit in 64
@@ -308,6 +311,12 @@ def plan(m: int, n: int, groups: int, sms: int, block_n: int | None = None,
     atomic = atomic_sums() if atomic is None else atomic
     rule = RULES["atomic" if atomic else "ordered"][block_m]
     narrow, wide = BLOCK_NS
+    if warps not in (4, 8):
+        raise ValueError(f"warps must be 4 or 8 (one or two warpgroups), got {warps}")
+    if warps == 8:  # each warp 16 of the tile's columns
+        block_n = block_n or wide
+        if block_n != wide:
+            raise ValueError(f"8 warps need block_n {wide} (16 columns a warp), got {block_n}")
     if block_n is None:
         use_wide = (rule.wide_share is not None and n % wide == 0
                     and n // wide * split_for(n // wide, groups, sms, rule)
@@ -317,7 +326,7 @@ def plan(m: int, n: int, groups: int, sms: int, block_n: int | None = None,
         raise ValueError(f"block_n {block_n} must divide N = {n}")
     split = split or split_for(n // block_n, groups, sms, rule)
     red = red or max(1, min(8, 64 * 128 // (block_n * block_m)))
-    return Plan(block_n, block_m, split, stages, red, atomic)
+    return Plan(block_n, block_m, split, stages, red, atomic, warps)
 
 
 @functools.lru_cache(maxsize=None)
@@ -330,7 +339,7 @@ def _shared_layouts(dtype: torch.dtype, block_n: int, block_m: int):
 def w4_matmul(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, **forced) -> torch.Tensor:
     """`out [M, N] = x [M, K] · Wᵀ` for the calls `supports` accepts (the TMA boxes read the
     tokens past M and the k past K, up to the padded K of the weights, as zeros). `forced`:
-    any of `plan`'s block_n, split, stages, red, atomic."""
+    any of `plan`'s block_n, split, stages, red, atomic, warps."""
     m = x.shape[0]
     n = p.out_features
     groups = p.qweight.shape[0] * 8 // GROUP
@@ -341,5 +350,5 @@ def w4_matmul(x: torch.Tensor, p: PackedWNA16, out: torch.Tensor, **forced) -> t
     ws, cnt = split_buffers(x.device, pl.block_m, n, pl.split, pl.atomic)  # whole token tiles
     _w4_kernel[(n // pl.block_n, pl.split)](w_desc, x_desc, p.scales, p.zeros, out, ws, cnt, m, n, groups,
                                             STAGES=pl.stages, RED=pl.red, ATOMIC=pl.atomic,
-                                            num_warps=4)
+                                            num_warps=pl.warps)
     return out

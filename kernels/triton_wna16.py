@@ -982,7 +982,7 @@ def wna16_matmul(x: torch.Tensor, p: PackedWNA16, impl: str = "auto",
 
     impl: "auto" (see `_auto_path`), "gemv" (alias "fma"; per-channel or groups of whole
     blocks), "fused" (aliases "mid", "tiled": the tensor-core kernel), "gluon" (its Hopper
-    version in `gluon_wna16`; config: block_n, split, stages, red) or "dequant".
+    version in `gluon_wna16`; config: block_n, split, stages, red, atomic, warps) or "dequant".
     `config` (meta-parameters, optionally num_warps/num_stages/maxnreg) skips autotuning: with
     impl "auto" it names the tensor-core kernel if it holds BLOCK_M, else the GEMV; the
     tensor-core kernel also takes JOIN (default: int8 under bf16 and the interpreter). Under

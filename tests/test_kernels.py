@@ -251,7 +251,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon import language as gl
 from quantlab.kernels import gluon_wna16 as g
-half, bn, bm, atomic = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+half, bn, bm, atomic, warps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", int(sys.argv[5])
 t = {"bfloat16": "bf16", "float16": "fp16"}[half]
 wl = gl.NVMMASharedLayout.get_default_for([16, bn], gl.int32)
 xl = gl.NVMMASharedLayout.get_default_for([bm, g.GROUP], getattr(gl, half))
@@ -262,8 +262,8 @@ sig = {"w_desc": f"tensordesc<i32[16, {bn}],{wl!r}>",
        "ATOMIC": "constexpr", "num_warps": "constexpr"}
 aligned = {(i,): [["tt.divisibility", 16]] for i in (2, 3, 4, 5, 6, 8)}  # as the JIT sees them
 src = GluonASTSource(g._w4_kernel, sig, attrs=aligned,
-                     constexprs={"STAGES": 2, "RED": 4, "ATOMIC": atomic, "num_warps": 4})
-print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"])
+                     constexprs={"STAGES": 2, "RED": 4, "ATOMIC": atomic, "num_warps": warps})
+print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"])
 """
 
 
@@ -281,25 +281,26 @@ def compiled_in_subprocess(script: str, *args: str) -> str:
 
 
 @needs_triton
-@pytest.mark.parametrize("half,bn,bm,atomic", [
-    ("bfloat16", 128, 16, False), ("float16", 128, 16, True), ("bfloat16", 64, 32, True),
-    ("float16", 128, 64, False), ("bfloat16", 64, 64, True)])
-def test_gluon_w4_kernel_compiles_with_register_operands(half, bn, bm, atomic):
+@pytest.mark.parametrize("half,bn,bm,atomic,warps", [
+    ("bfloat16", 128, 16, False, 4), ("float16", 128, 16, True, 4), ("bfloat16", 64, 32, True, 4),
+    ("float16", 128, 64, False, 4), ("bfloat16", 64, 64, True, 4), ("bfloat16", 128, 16, True, 8),
+    ("float16", 128, 32, False, 8)])
+def test_gluon_w4_kernel_compiles_with_register_operands(half, bn, bm, atomic, warps):
     """Compiled for sm_90: each group is 2 blocks × 4 K = 8 slices, one wgmma per slice and
     64-column row tile, whose weight operand comes from registers. The word halves → operand
     step is a renaming (the kernel asserts it); no operand goes through shared memory: every
     shared store comes after the last wgmma (the epilogue's layout change and the split
     counter's broadcast). The split-K partials move 16 bytes at a time: stored and loaded
     back, or added by vector atomics (`red/atom ... add.v4.f32`, one per 4 columns) whose sum is
-    loaded once."""
-    ptx = compiled_in_subprocess(_GLUON_PTX, half, str(bn), str(bm), str(int(atomic)))
-    assert ptx.count("wgmma.mma_async") == 8 * bn // 64
+    loaded once. With 8 warps each warpgroup takes 64 of the 128 columns: one wgmma a slice."""
+    ptx = compiled_in_subprocess(_GLUON_PTX, half, str(bn), str(bm), str(int(atomic)), str(warps))
+    assert ptx.count("wgmma.mma_async") == 8 * bn // (16 * warps)
     assert f"n{bm}k16" in ptx  # the token tile is wgmma's N
     assert ptx.count("cp.async.bulk.tensor") >= 2
     assert ptx.rfind("wgmma.mma_async") < ptx.find("st.shared")
     assert "ld.global.cg.v4" in ptx and "ld.local" not in ptx
     vector_adds = len(re.findall(r"(?:red|atom)\.global\S*\.add\.v4\.f32", ptx))  # atom: Triton 3.6
-    assert vector_adds == (bn * bm // (4 * 128) if atomic else 0)  # 4 columns a thread, 128 threads
+    assert vector_adds == (bn * bm // (4 * 32 * warps) if atomic else 0)  # 4 columns a thread
 
 
 @needs_triton
@@ -347,6 +348,12 @@ def test_gluon_w4_plan_picks_tiles_that_fit():
     assert g.plan(16, 192, 8, 132).block_n == 64  # N not a multiple of 128
     with pytest.raises(ValueError, match="block_n 128 must divide N = 192"):
         g.plan(16, 192, 8, 132, block_n=128)
+    # two warpgroups split 128 columns (16 a warp): 64-column tiles cannot take them
+    assert g.plan(16, 3584, 148, 132, atomic=True, warps=8) == g.Plan(128, 16, 14, 2, 4, True, 8)
+    with pytest.raises(ValueError, match="8 warps need block_n 128"):
+        g.plan(16, 3584, 148, 132, block_n=64, warps=8)
+    with pytest.raises(ValueError, match="warps must be 4 or 8"):
+        g.plan(16, 3584, 148, 132, warps=2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
@@ -356,7 +363,8 @@ def test_gluon_w4_plan_picks_tiles_that_fit():
     (16, torch.bfloat16, {"split": 2}), (16, torch.float16, {"split": 1}),
     (1, torch.bfloat16, {"block_n": 64, "red": 8, "atomic": False}),
     (23, torch.bfloat16, {"block_n": 64, "split": 4, "stages": 3}),
-    (64, torch.float16, {"split": 5, "atomic": False}), (64, torch.bfloat16, {"split": 5})])
+    (64, torch.float16, {"split": 5, "atomic": False}), (64, torch.bfloat16, {"split": 5}),
+    (16, torch.bfloat16, {"warps": 8, "split": 2}), (40, torch.float16, {"warps": 8, "split": 3, "atomic": False})])
 def test_gluon_w4_kernel_matches_reference(m, dtype, config):
     """Against the torch reference and the Triton tensor-core kernel: 256 columns, K = 600
     (padded to 640: the last group reads x's missing columns as zeros), odd token counts in
