@@ -29,7 +29,8 @@ occupancy (Nsight Compute, H100, M = 16). Here the layouts are chosen:
 
 One group of 128 k (two blocks of 8 word rows) per iteration through a STAGES-deep ring of
 TMA buffers. Tiles: 16, 32 or 64 tokens (wgmma's N), 64 or 128 weight columns; `plan` picks
-them and the split. Scope: int4 with groups of 128, bf16/fp16 activations, N a multiple of
+them and the split. One warpgroup per program, or two on 128 columns (`warps=8`, forced only:
+not yet timed on a GPU). Scope: int4 with groups of 128, bf16/fp16 activations, N a multiple of
 64, the padded K of 128, M ≤ 64, sm_90.
 
 Measured on an H100 through the auto path (session 19, `benchmarks/gemm.py --ms 1,16,64`,
