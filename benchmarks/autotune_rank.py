@@ -32,8 +32,9 @@ RULES = [("top", 3), ("top", 6), ("top", 10), ("within", 0.05), ("within", 0.10)
 
 
 def candidates(cool: dict, rule: tuple[str, float]) -> list:
-    """The configs a re-timing rule would look at, from the autotuner's timings `cool`."""
-    ranked = sorted(cool, key=cool.get)
+    """The configs a re-timing rule would look at, from the autotuner's timings `cool`
+    (`ops.autotuner_ranking`: fastest first)."""
+    ranked = list(cool)
     how, v = rule
     if how == "top":
         return ranked[: int(v)]
@@ -50,7 +51,7 @@ def label(c) -> str:
 
 def rank_shape(kind: str, name: str, m: int, rounds: int) -> dict:
     from quantlab.kernels import triton_scaled
-    from quantlab.kernels.ops import _first, interleaved_rounds
+    from quantlab.kernels.ops import autotuner_ranking, interleaved_rounds
 
     k, n = SHAPES[name]
     mm, xq, sx, p, ref, baseline = problem(kind, m, k, n)
@@ -58,8 +59,8 @@ def rank_shape(kind: str, name: str, m: int, rounds: int) -> dict:
     tuner = triton_scaled._LARGE
     mm(xq, sx, p, torch.bfloat16, out=out, impl="triton")  # autotunes, then retime_top
     kept = tuner.cache[next(reversed(tuner.cache))]
-    cool = {c: _first(t) for c, t in tuner.configs_timings.items() if _first(t) < float("inf")}
-    configs = sorted(cool, key=cool.get)
+    cool = autotuner_ranking(tuner)
+    configs = list(cool)
     runs = [graphed(lambda c=c: mm(xq, sx, p, torch.bfloat16, config=triton_scaled._config_dict(c), out=out,
                                    impl="triton")) for c in configs]
     times = interleaved_rounds([lambda g=g: bench(g) for g in [baseline, *runs]], rounds, rotate=True)

@@ -163,14 +163,18 @@ def retime_top(tuner, keys, launch: Callable[[object], object], top: int = 6, ro
     interleaved rounds was the autotuner's 1st, 5th, 6th and 6th on four MLP shapes: the 3
     best kept it 0.8–3.7% slower on three of them, the 6 best found it on all four.
     Needs the autotuner's `configs_timings` (Triton ≥ 3.2); without them the pick stands."""
-    timings = getattr(tuner, "configs_timings", None)
-    if not timings:
-        return
-    ran = [c for c in timings if math.isfinite(_first(timings[c]))]  # inf: did not compile
-    ranked = sorted(ran, key=lambda c: _first(timings[c]))[:top]
+    ranked = list(autotuner_ranking(tuner))[:top]
     if keys and len(ranked) > 1:
         best = ranked[fastest([lambda c=c: launch(c) for c in ranked], rounds)]
         tuner.cache.update(dict.fromkeys(keys, best))
+
+
+def autotuner_ranking(tuner) -> dict:
+    """The configs a Triton autotuner last benchmarked that compiled, fastest first, each with
+    its median time in ms; empty without `configs_timings` (Triton < 3.2)."""
+    timings = getattr(tuner, "configs_timings", None) or {}
+    ran = {c: _first(t) for c, t in timings.items() if math.isfinite(_first(t))}  # inf: did not compile
+    return dict(sorted(ran.items(), key=lambda item: item[1]))
 
 
 def _first(timing) -> float:
