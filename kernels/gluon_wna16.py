@@ -197,12 +197,12 @@ def _w4_kernel(w_desc, x_desc, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, NG,
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
-    _finish(acc, y_ptr, ws_ptr, cnt_ptr, M, N, pid_n, pid_k, split, RED, ATOMIC, num_warps)
+    _finish(acc, y_ptr, ws_ptr, cnt_ptr, M, N, pid_n, pid_k, split, RED, ATOMIC)
 
 
 @gluon.jit
 def _finish(acc, y_ptr, ws_ptr, cnt_ptr, M, N, pid_n, pid_k, split, RED: gl.constexpr,
-            ATOMIC: gl.constexpr, NW: gl.constexpr):
+            ATOMIC: gl.constexpr):
     """Write the tile `acc [BN, BM]` (weight columns × tokens) to `y [M, N]`. Split, each
     program adds its partial into the tile's float32 accumulator (ATOMIC: order of arrival) or
     stores it (else), and the program arriving last writes y: from the accumulator, which it
@@ -214,7 +214,7 @@ def _finish(acc, y_ptr, ws_ptr, cnt_ptr, M, N, pid_n, pid_k, split, RED: gl.cons
     BN: gl.constexpr = acc.shape[0]
     BM: gl.constexpr = acc.shape[1]
     TN: gl.constexpr = 32 if BN >= 128 else BN // 4
-    OUT: gl.constexpr = gl.BlockedLayout([4, 1], [TN, 32 // TN], [1, NW], [0, 1])
+    OUT: gl.constexpr = gl.BlockedLayout([4, 1], [TN, 32 // TN], [1, gl.num_warps()], [0, 1])
     out = gl.convert_layout(acc, OUT)
     cols = gl.arange(0, BN, layout=gl.SliceLayout(1, OUT))
     rows = gl.arange(0, BM, layout=gl.SliceLayout(0, OUT))
