@@ -636,7 +636,7 @@ GEMV_PLAIN = {"EPI": 0, "HEAD_D": 128, "ATOMIC": False, "e_eps": 0.0, "e_nq": 0,
 @pytest.mark.parametrize("stages,epi,trigger,atomic", [(1, 0, 2, False), (3, 0, 2, True), (3, 2, 2, False),
                                                       (1, 2, 3, False), (1, 1, 3, False)])
 def test_gemv_pdl_waits_before_reading_activations(stages, epi, trigger, atomic):
-    """With PDL (benchmarks/pdl_chain.py, QUANTLAB_PDL=1) the GEMV may start while the kernel
+    """With PDL (QUANTLAB_PDL=1, `benchmarks/decode.py --pdl`) the GEMV may start while the kernel
     that writes its activations is still running: compiled for sm_90 (on the CPU, no GPU
     needed), it lets the next kernel launch before any load, and every 16-bit load
     (activations, scales, zeros) and workspace atomic comes after `griddepcontrol.wait`. The
