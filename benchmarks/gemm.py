@@ -15,7 +15,10 @@ to every kernel's first reads. Eager times (one Python call per run) are kept in
 ms_eager. Each quantized case is also checked against its torch reference on the GPU
 (rel = ‖y−ref‖/‖ref‖).
 
-    python benchmarks/gemm.py --out DIR [--ms 1,16,64,256,4096] [--shapes qwen_up,...]
+    python benchmarks/gemm.py [--ms 1,16,64,256,4096] [--shapes qwen_up,...] [--kinds w4a16,...]
+
+Writes `benchmarks/results/gemm_<device>.json` and `.md` (`--out DIR`; the device's name as
+`nvidia_h200`), each target of the W4A16 / W8A8 / FP8 kernels marked met or NOT met.
 """
 
 from __future__ import annotations
@@ -285,7 +288,7 @@ def autotune_choices() -> dict:
 
 
 def bars(rows: list[dict]) -> list[str]:
-    """The issue's targets, each with the measured numbers and met / NOT met."""
+    """The kernels' targets, each with the measured numbers and met / NOT met."""
     t = {(r["shape"], r["M"], r["kind"]): r["ms"] for r in rows if "ms" in r}
     out = []
 
@@ -357,7 +360,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--ms", default="1,16,64,256,4096")
     ap.add_argument("--shapes", default="")
-    ap.add_argument("--tag", default="")
+    ap.add_argument("--tag", default="", help="write gemm_<tag>.{json,md} instead of gemm_<device>")
     ap.add_argument("--kinds", default="", help="only these kinds (and bf16), e.g. w4a16,read_w4a16")
     ap.add_argument("--rounds", type=int, default=3,
                     help="interleaved timing rounds per case; each kind's time is their median")

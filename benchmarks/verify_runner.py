@@ -1,4 +1,6 @@
-"""The bundled runner against the fake-quant model on real SmolLM2 runs (issue 6, bar 4).
+"""The bundled runner against the fake-quant model on real SmolLM2 runs: perplexity within 0.5 %
+and greedy agreement of at least 99 % (the targets; `tests/test_verify_smollm2.py` checks them at
+a small size).
 
 Each case runs a shipped recipe through the real CLI with a `verify:` section: 16 prompts cut
 from wiki.test.raw, 64 greedy tokens each, the runner's perplexity next to the fake-quant
@@ -7,8 +9,12 @@ act_order, W8A8 SmoothQuant (dynamic per-token), FP8 weights and activations wit
 (C8) KV cache. `--device cuda` runs the same on a GPU (the runner then uses its Triton
 kernels and CUDA graphs; the fake-quant reference runs in float32).
 
-    python benchmarks/verify_runner.py --device cpu --out benchmarks/results/verify_runner_cpu.json
-    python benchmarks/verify_runner.py --device cuda --model /path/SmolLM2.gguf --data DIR --out DIR/x.json
+    python benchmarks/verify_runner.py --device cpu
+    python benchmarks/verify_runner.py --device cpu --precision float64 --only w8a8-smoothquant,fp8-int8-kv
+    python benchmarks/verify_runner.py --device cuda --dtype float16 --model /path/SmolLM2.gguf --data DIR
+
+Writes `benchmarks/results/verify_runner_<device>.json` and `.md` (`cpu`, or the GPU's name as
+`nvidia_h200`; `_float64` appended with `--precision float64`), unless `--out` says otherwise.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -115,6 +122,12 @@ def device_name(device: str) -> str:
     return cpu_name()
 
 
+def result_name(payload: dict[str, Any]) -> str:
+    """`cpu`, or the GPU's name as a slug (`nvidia_h200`), with `_float64` for --precision float64."""
+    device = "cpu" if payload["device"] == "cpu" else re.sub(r"[^a-z0-9]+", "_", payload["device_name"].lower()).strip("_")
+    return device + ("_float64" if payload["precision"] == "float64" else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -130,14 +143,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calib-samples", type=int, default=None, help="override every recipe's calibration.num_samples")
     p.add_argument("--only", default=None, help="comma-separated case ids")
     p.add_argument("--work", type=Path, default=Path("runs/verify_runner"))
-    p.add_argument("--out", type=Path, default=None, help="JSON path (a .md is written beside it)")
+    p.add_argument("--out", type=Path, default=None, help="JSON path (a .md is written beside it; default "
+                   "benchmarks/results/verify_runner_<device>.json)")
     args = p.parse_args(argv)
     rows = [run_case(c, args) for c in CASES if not args.only or c.id in args.only.split(",")]
     payload = {"device": args.device, "device_name": device_name(args.device), "windows": args.windows,
                "prompts": args.prompts, "new_tokens": args.new_tokens, "calib_samples": args.calib_samples,
                "dtype": args.dtype or "recipe default", "precision": args.precision or "model",
                "command": " ".join(["python", "benchmarks/verify_runner.py", *(argv or sys.argv[1:])]), "rows": rows}
-    out = args.out or args.work / f"verify_runner_{args.device}.json"
+    out = args.out or REPO / "benchmarks" / "results" / f"verify_runner_{result_name(payload)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(payload, indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown(payload))
