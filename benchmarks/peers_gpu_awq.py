@@ -1,4 +1,4 @@
-"""The peers' AWQ W4 g64 asym rows of peers_cpu.py, quantized on a lent GPU machine (issue 3).
+"""The peers' AWQ W4 g64 asym rows of peers_cpu.py, quantized on a GPU machine.
 
 On a 2-core CPU llm-compressor's and GPTQModel's AWQ take ~2.5 h each. Here they quantize on
 one GPU, with the same 128 × 512 calibration ids and the same evaluation tokens as peers_cpu.py

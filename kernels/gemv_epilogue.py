@@ -5,7 +5,7 @@ between.
 Without them a W4A16 layer on an H200 ran about 13 kernels, and the nine that are not GEMVs
 (the residual adds with the RMSNorms, RoPE, the two cache writes, SiLU·up, …) each cost a
 launch and a drain of the GPU, about 20 µs per layer against 50 µs of GEMVs
-(benchmarks/results/decode_nvidia_h200_s12_profile.md). Each of these runs in the program
+(`benchmarks/decode.py --profile`). Each of these runs in the program
 that completes a column tile (the last split to arrive), on data already in registers:
 
 * RESIDUAL — `y = acc + residual`; with a norm weight also `y·w`, the next RMSNorm's input

@@ -8,7 +8,7 @@ while the previous one still runs — only when its accumulator is float32 (Trit
 loop ends every iteration in `wgmma.wait_group 0`: the tensor cores drain before the next
 tile's wgmma is issued. Its FP8 loop waits with 1 outstanding. On an H100 at M = 4096 the
 int8 kernel took 20.1 µs on the Qwen2-7B K/V projection where the FP8 one, same tiles and
-bytes, took 17.2 (benchmarks/README.md, session 20). Here the loop is written out: a
+bytes, took 17.2. Here the loop is written out: a
 STAGES-deep ring of TMA buffers, one async wgmma per K tile, `warpgroup_mma_wait(1)` so that
 the previous tile's wgmma is done before its buffers are refilled.
 
@@ -17,7 +17,7 @@ One program per `[BM, BN]` output tile, tiles in groups of GROUP_M row tiles (as
 int8 asymmetric-zero correction, the per-token × per-channel (or per-tensor) scales, then
 stores of 16 bytes a thread; its scales are loaded before the K loop.
 
-Measured on H100s at M = 4096 (benchmarks/README.md, sessions 21–22): int8 qwen_kv 15.6–16.7 µs,
+Measured on H100s at M = 4096 (`benchmarks/gemm.py`): int8 qwen_kv 15.6–16.7 µs,
 1.48–1.56× bf16 (in one sweep, same 128 × 128 tile: 16.7 µs against the Triton kernel's 21.0);
 FP8 qwen_kv 16.0–16.3 µs, 1.52–1.53× bf16 in five runs, after the ring's first copies were
 moved up and the tiles grouped by 4 (`torch._scaled_mm` 16.9–17.3). On the large FP8 shapes

@@ -29,13 +29,14 @@ occupancy (Nsight Compute, H100, M = 16). Here the layouts are chosen:
 
 One group of 128 k (two blocks of 8 word rows) per iteration through a STAGES-deep ring of
 TMA buffers. Tiles: 16, 32 or 64 tokens (wgmma's N), 64 or 128 weight columns; `plan` picks
-them and the split. One warpgroup per program, or two on 128 columns (`warps=8`, forced only:
-not yet timed on a GPU). Scope: int4 with groups of 128, bf16/fp16 activations, N a multiple of
+them and the split. One warpgroup per program, or two on 128 columns (`warps=8`, only through
+an explicit config; the auto path does not pick it). Scope: int4 with groups of 128, bf16/fp16 activations, N a multiple of
 64, the padded K of 128, M ≤ 64, sm_90.
 
-Measured on an H100 through the auto path (session 19, `benchmarks/gemm.py --ms 1,16,64`,
-atomic sums): qwen_up M = 16 20.6 µs = 2.56× bf16 cuBLAS, qwen_down 19.7 µs = 2.66× (22.9 µs
-with the ordered sum in session 18). At M = 64 every benchmark shape is faster than bf16,
+Measured on an H100 through the auto path (`benchmarks/gemm.py --ms 1,16,64`, atomic sums):
+qwen_up M = 16 20.6 µs = 2.56× bf16 cuBLAS, qwen_down 19.7 µs = 2.66× (22.9 µs with the
+ordered sum). On an H200 the same two are 2.02× and 2.21× (benchmarks/results/gemm_nvidia_h200.md):
+there the kernel is bound by its own latency, not by the bytes it reads. At M = 64 every benchmark shape is faster than bf16,
 1.13× on qwen_qkv to 2.00× on qwen_down; the Triton kernel was 0.86–0.98× on the attention
 shapes. The layout matters for the ordered sum at M = 64: read in wgmma's layout (a thread's
 values N apart, 4-byte loads), each split cost about 1 µs, and qwen_down took 33.6 µs at
@@ -86,9 +87,8 @@ class TileRule:
     min_groups: int = 2
 
 
-# Per way of summing the split-K partials and token tile, fitted to H100 sweeps of all eight
-# benchmark shapes (`benchmarks/wna16_sweep.py`; session 18 for the ordered sum, session 19
-# for the atomic one). The ordered sum reads every partial in the last program, so it favours
+# Per way of summing the split-K partials and token tile, fitted to H100 sweeps of explicit
+# configs on all eight benchmark shapes. The ordered sum reads every partial in the last program, so it favours
 # fewer, smaller partials (at M = 64 qwen_down ran 28.5 µs at split 7, 33.6 at 16); the
 # atomic one reads one tile whatever the split.
 RULES = {"ordered": {16: TileRule(3.4, 16, 0.75, 3), 32: TileRule(4, 12, None),
@@ -257,8 +257,8 @@ def _ordered_sum(tile_ws, stride, split, RED: gl.constexpr, L: gl.constexpr, BN:
 
 
 MIN_WEIGHTS = 1 << 20  # N·K from which the auto path takes this kernel: it beat the Triton
-# kernel on all 8 benchmark shapes at M = 16, 32 and 64, down to qwen_kv (3584 × 512; H100,
-# session 18); smaller weights were not measured
+# kernel on all 8 benchmark shapes at M = 16, 32 and 64, down to qwen_kv (3584 × 512; H100);
+# smaller weights were not measured
 
 
 @dataclass(frozen=True)

@@ -148,7 +148,7 @@ def fastest(runs: Sequence[Callable[[], object]], rounds: int = 3) -> int:
     """The index of the fastest of `runs`: each timed `rounds` times by `autotune_bench`, the
     rounds interleaved, compared by median. One timing each let the noise pick: on an H100 the
     same FP8 kernel config timed 15.2–16.3 µs in one process, and the Gluon tuner kept a tile
-    order about 0.5 µs slower in one of two runs (session 22)."""
+    order about 0.5 µs slower in one of two runs."""
     times = interleaved_rounds([lambda fn=fn: autotune_bench(fn) for fn in runs], rounds)
     medians = [statistics.median(ts) for ts in times]
     return min(range(len(runs)), key=medians.__getitem__)
@@ -159,7 +159,7 @@ def retime_top(tuner, keys, launch: Callable[[object], object], top: int = 6, ro
     time its `top` fastest configs again in `rounds` interleaved rounds (`fastest`, each config
     run by `launch(config)`) and keep the best median. The autotuner times every config once,
     in turn, and among configs within a few percent of each other that timing is noise. On an
-    H200 at M = 4096 (FP8; `benchmarks/autotune_rank.py`, session 26) the config fastest in
+    H200 at M = 4096 (FP8) the config fastest in
     interleaved rounds was the autotuner's 1st, 5th, 6th and 6th on four MLP shapes: the 3
     best kept it 0.8–3.7% slower on three of them, the 6 best found it on all four.
     Needs the autotuner's `configs_timings` (Triton ≥ 3.2); without them the pick stands."""
@@ -209,8 +209,8 @@ def pdl_launch(t: torch.Tensor) -> dict:
     """The launch options of a PDL-capable kernel on `t`'s device: none where `pdl_on` fails,
     else `launch_pdl` and the trigger QUANTLAB_PDL_TRIGGER names: "wait" (the default) or
     "start". The fused batch-1 decode step on H100s (benchmarks/decode.py) ran at 414–419
-    tok/s without PDL; with it at 339.6 under START (session 14) and 393–425 under AFTER_WAIT
-    (session 15, three machines: results/decode_h100_s15_pdl_diag.txt)."""
+    tok/s without PDL; with it at 339.6 under START and 393–425 under AFTER_WAIT (three
+    machines)."""
     if not pdl_on(t):
         return {}
     name = os.environ.get("QUANTLAB_PDL_TRIGGER", "wait")

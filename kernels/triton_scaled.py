@@ -8,7 +8,7 @@ ordered in groups of GROUP_M row tiles so concurrently running tiles share B in 
 autotuner picks between one program per tile and persistent programs (one per SM walking the
 tiles in one flattened, software-pipelined loop, so a tile's loads overlap the previous
 tile's epilogue): at M = 4096 on an H200 the persistent ones won the large FP8 shapes
-(benchmarks/results/gemm_nvidia_h200_m4096.md). Persistent configs with SPLIT_TAIL also split
+(`benchmarks/gemm.py --ms 4096`). Persistent configs with SPLIT_TAIL also split
 the K loops of the last, partial wave of tiles across all the programs (`_tail_split`), so
 that SMs do not idle through it (qwen_down FP8 at M = 4096 on an H100: 3.5–7.6% faster).
 Persistent configs with TMA_STORE hand each finished tile to the copy engine through a TMA
@@ -215,8 +215,8 @@ LARGE_M_CONFIGS = [_cfg(128, 256, 128, 8, 3), _cfg(128, 256, 128, 8, 4), _cfg(25
                    # narrow N (K/V projections): more, smaller tiles to fill the SMs
                    _cfg(128, 64, 128, 4, 4), _cfg(64, 128, 128, 4, 4), _cfg(128, 64, 256, 4, 3)]
 # The same tiles walked by one program per SM, in L2 groups of 4–16 row tiles: on an H200 at
-# M = 4096 these won every FP8 shape of benchmarks/scaled_sweep.py where the one-tile programs
-# trailed torch._scaled_mm (results/scaled_sweep_nvidia_h200_fp8.json).
+# M = 4096 these won every FP8 shape of a config sweep where the one-tile programs trailed
+# torch._scaled_mm.
 LARGE_M_CONFIGS += [_cfg(*c, group_m=g, persistent=True)
                     for c, groups in (((128, 256, 128, 8, 3), (4, 8, 16)), ((128, 256, 128, 8, 4), (8, 16)),
                                       ((256, 128, 128, 8, 4), (8,)), ((128, 128, 128, 8, 5), (4,)),
@@ -234,7 +234,7 @@ LARGE_M_CONFIGS += SPLIT_TAIL_CONFIGS
 # The persistent 128 × 256 tiles of 3 stages again, each tile stored through a TMA descriptor
 # (the 4-stage ones leave no room for its 64 KB staging buffer). On an H100 at M = 4096 FP8
 # they took llama_up from 369.5–386.5 to 358.0–367.7 µs and llama_down from 353.0–373.9 to
-# 341.6–353.9 (torch._scaled_mm 391.6 and 379.0; benchmarks/README.md, session 24).
+# 341.6–353.9 (torch._scaled_mm 391.6 and 379.0).
 LARGE_M_CONFIGS += [_cfg(128, 256, 128, 8, 3, group_m=g, persistent=True, tma_store=True)
                     for g in (4, 8, 16)]
 SPLIT_TAIL_TILE = max(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] for c in SPLIT_TAIL_CONFIGS)
@@ -331,7 +331,7 @@ def _faster(key: tuple, run) -> str:
     """The faster impl for a shape, decided once per key (after each kernel's own autotuning)
     by `ops.fastest`: on an H100 at M = 4096 the Gluon kernel won every int8 shape
     measured and the FP8 K/V projections; Triton's persistent programs won FP8 qwen_qkv and
-    llama_down (benchmarks/README.md, session 21)."""
+    llama_down."""
     if key not in _FASTER:
         impls = ("triton", "gluon")
         for impl in impls:

@@ -20,7 +20,7 @@ a code into a float (the autotuner picks; on an H200 it picks the first on every
   activations are scaled by `2^(64 − sh)` once, so the product is `q·x·2^−85`, a normal float
   as exact as `q·x`: one LOP3 and one FMA per code, and the zero point leaves the inner loop
   (`Σ (q − z)·x = Σ q·x − z·Σ x`). 941 SASS instructions per loop iteration against 1219
-  (747 since the products accumulate into a `[BN, 8]` tile by FMA, session 14: same time);
+  (747 with the products accumulated into a `[BN, 8]` tile by FMA: the same time on an H200);
   qwen_down at M = 1 22.2 → 20.5 µs, llama_up 20.4 → 18.6 µs.
 * `_codes_minus_zero`: `(w & mask) | 2^23` as float, one FMA gives the exact float32 `q − z`,
   then the product: two float ops per code.
@@ -63,15 +63,15 @@ is in deterministic mode. The autotuner gets, per shape, the splits that fill wh
 programs (`split_k.WAVES`; not only powers of 2), timed as CUDA-graph replays
 (`ops.autotune_bench`).
 
-Measured on an H100 (benchmarks/results/gemm_h100_s13.md, session 13: CUDA graphs, L2 flushed
-clean before each run), on the Qwen2-7B / Llama-3-8B MLP shapes: W4A16 g128 at M = 1
-2.46–2.94× bf16 cuBLAS (faster than torch's tinygemm; 1.13–1.19× the time of only reading
-the weight), at M = 16 1.79–2.01×, at M = 64 1.20–1.31× (the attention shapes: 0.99–1.37× at
-M = 16, 0.80–0.96× at M = 64). On an H200 (gemm_nvidia_h200_s12.md) the same kernels give
-2.26–2.41× at M = 1 and 1.40–1.45× at M = 16 on qwen_up / qwen_down: its faster memory makes
-the fixed cost of a single call a larger share. W8A16 at M = 1 1.6–1.7× (H200).
-What bounds them (Nsight Compute, benchmarks/profile_wna16.py, before
-DENORM): the GEMV was issue-bound — 4.1 instructions per weight (LOP3, the float32 `q − z`,
+Speed: `benchmarks/gemm.py` (CUDA graphs, L2 flushed clean before each run) against bf16 cuBLAS,
+torch's tinygemm and the read floor (a kernel that only reads the weight's bytes). W4A16 g128 at
+M = 1 on the Qwen2-7B / Llama-3-8B MLP shapes, H200: 2.25–2.56× bf16 and faster than tinygemm,
+against 2.77–3.09× for the read floor (benchmarks/results/gemm_nvidia_h200.md); H100, Qwen2-7B:
+2.81–3.03× (gemm_nvidia_h100_80gb_hbm3.md). The H200's faster memory makes the fixed cost of a
+single call a larger share. W8A16 at M = 1: 1.6–1.7× bf16 on an H200. On Hopper, int4 in groups
+of 128 at 2 ≤ M ≤ 64 on large weights goes to the Gluon version of the tensor-core kernel
+(`gluon_wna16`).
+What bounds them (Nsight Compute, before DENORM): the GEMV was issue-bound — 4.1 instructions per weight (LOP3, the float32 `q − z`,
 the FMA, and the activations' trip through shared memory), 255 registers, 8 warps per SM, one
 issued every 1.7 cycles; the tensor-core kernel at M = 16 waits on global loads (occupancy
 25%) and at M = 64 on shared memory (the MIO queue, 52% of stalls).
@@ -681,7 +681,7 @@ def _cfg(bm: int, bn: int, sk: int, warps: int, stages: int, u: int = 2, pf: boo
                          num_warps=warps, num_stages=stages, maxnreg=maxnreg, pre_hook=_word_block)
 
 
-# Tensor-core kernel, per M bucket, from benchmarks/wna16_sweep.py on an H200: decode
+# Tensor-core kernel, per M bucket, from sweeps of explicit configs on an H200: decode
 # (BLOCK_M = 16, split-K so that about one wave of programs fills the GPU) and small batches.
 # Split-K is a run-time argument, so it costs no compiles.
 CONFIGS = {
@@ -699,7 +699,7 @@ CONFIGS = {
     64: [_cfg(64, 128, sk, 8, 2, pf=pf) for sk in (1, 2, 4, 8) for pf in (True, False)]
     + [_cfg(64, 64, sk, 4, 3, pf=False) for sk in (1, 2, 4, 8)]
     + [_cfg(64, 256, sk, 8, 2, pf=False) for sk in (1, 2, 4)]
-    # one block per iteration, 3–4 stages: 55.4 vs 62.9 µs at qwen_up M = 64 (wna16_sweep --deep)
+    # one block per iteration, 3–4 stages: 55.4 vs 62.9 µs at qwen_up M = 64
     + [_cfg(64, 128, 4, 8, st, u=1, pf=False) for st in (3, 4)]
     # 4 warps, 3 stages, prefetch: every MLP shape 1.00–1.20× bf16 (qwen_up 46.2 against 53.4
     # µs autotuned without them); smaller token tiles on the K/V shapes (qwen_kv 11.0 against 13.1)
@@ -707,7 +707,7 @@ CONFIGS = {
     + [_cfg(bm, 64, sk, 4, 3, u=2, pf=False) for bm in (16, 32) for sk in (4, 8)]
     + [_cfg(32, 128, sk, 4, 3) for sk in (2, 4)],
 }
-# The words through TMA (session 17, H100, `_word_desc`): three stages won every shape of the
+# The words through TMA (`_word_desc`; H100): three stages won every shape of the
 # sweep; qwen_up M = 16 24.2 µs against 27.6 with per-thread copies, qwen_down M = 64 42.2
 # against 46.8. The K/V shapes keep the per-thread copies (qwen_kv M = 16 12.1 against 10.8).
 CONFIGS[16] += [_cfg(16, 128, sk, 4, 3, u=u, tma=True) for u in (1, 2) for sk in (2, 4, 8)]
@@ -729,13 +729,13 @@ def _gemv_meta(kw: dict) -> dict:
 # splits). With whole-wave splits one- and two-warp programs are within 5% of each other on
 # the Qwen2-7B MLP shapes at M = 1 on an H200 (qwen_up: 1 warp, split 7 = 518 programs,
 # 20.5 µs; qwen_down: 2 warps, split 38, 22.2 µs; the best power of 2 22.5 and 23.4 µs;
-# benchmarks/wna16_sweep.py); four-warp ones slower. With DENORM (session 9) the picks were
+# a sweep of explicit configs); four-warp ones slower. With DENORM the picks were
 # qwen_up 2 warps split 11, 19.8 µs; qwen_down 1 warp split 38, 20.5 µs.
 GEMV_CONFIGS = [triton.Config(_gemv_meta(dict(BLOCK_N=128 * w, SPLIT_K=sk, PF=pf, DENORM=dn)),
                               num_warps=w, num_stages=1, maxnreg=r)
                 for w, regs in ((1, (None, 128)), (2, (None,))) for r in regs
                 for sk in (4, 8, 16, 32) for pf, dn in ((True, False), (False, False), (True, True))]
-# The words through the software pipeline (STAGES, session 12).
+# The words through the software pipeline (STAGES).
 GEMV_CONFIGS += [triton.Config(_gemv_meta(dict(BLOCK_N=128 * w, SPLIT_K=sk, PF=True, DENORM=True,
                                                STAGES=st)), num_warps=w, num_stages=1)
                  for w in (1, 2, 4) for st in (3, 5) for sk in (4, 8, 16, 32)]

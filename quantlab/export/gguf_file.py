@@ -259,7 +259,7 @@ def _k_quant_input(src: Canonical, qtype: str) -> bool:
     not) or, without them, the dequantized codes — a second rounding of a 4-bit run: on
     SmolLM2 an AWQ+GPTQ g32 run's Q4_K_M scored 31.31 from the kept weights and 34.36 from the
     codes, against llama.cpp's Q4_K_M of the float model at 30.67
-    (benchmarks/results/export_engines.md)."""
+    (benchmarks/results/export_engines_cpu.md)."""
     if _has_folded(src):
         return True
     low = sorted({qw.scheme.bits for qw in src.quantized.values() if qw.scheme.bits < 8})

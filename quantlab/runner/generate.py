@@ -11,7 +11,7 @@
   one replay, no Python or launch overhead), or through `torch.compile(mode="reduce-overhead")`
   (`decode="compile"`: Inductor fuses the norms, RoPE and SwiGLU around our GEMM kernels, then
   replays CUDA graphs). `"auto"` is compile on a GPU — on an H200 the 7B-shaped W4A16 model
-  decoded 363 tok/s compiled against 216 graphed (benchmarks/results/decode_nvidia_h200.md) —
+  decoded 363 tok/s compiled against 216 graphed (`benchmarks/decode.py --decode`) —
   falling back to graphs if compiling fails, and eager on the CPU.
 """
 
