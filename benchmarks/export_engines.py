@@ -30,6 +30,7 @@ from typing import Any
 from peers_cpu import cpu_name  # benchmarks/ is this script's directory
 
 from quantlab.export import engine_check
+from quantlab.toolenv import llama_quantize
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data" / "wikitext-2-raw-v1"
@@ -83,8 +84,27 @@ def delta_pct(value: float, ref: float) -> float:
     return round(100 * (value / ref - 1), 4)
 
 
+def eval_windows(run_dir: Path):
+    """The `[windows, seq_len]` ids the run's perplexity stages scored."""
+    from transformers import AutoTokenizer
+
+    from quantlab.data.sampling import tokenize_joined
+    from quantlab.data.sources import load_documents
+    from quantlab.eval.perplexity import windows_of
+    from quantlab.recipe import load_recipe
+    from quantlab.stages import QUANTIZED
+
+    recipe = load_recipe(run_dir / "recipe.resolved.yaml")
+    ppl = recipe.evaluate.perplexity
+    if ppl is None:
+        raise ValueError(f"{run_dir}: the recipe has no evaluate.perplexity section")
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / QUANTIZED)
+    docs = load_documents(ppl.dataset, "evaluate.perplexity.dataset", tokenizer)
+    return windows_of(tokenize_joined(docs, tokenizer), ppl.seq_len, ppl.max_windows)
+
+
 def score_case(case: Case, run_dir: Path) -> list[dict[str, Any]]:
-    windows = engine_check.eval_windows(run_dir)
+    windows = eval_windows(run_dir)
     ppl = fake_quant(run_dir)
     rows = []
     for fmt in case.exports:
@@ -122,8 +142,8 @@ def float_baselines(run_dir: Path, work: Path) -> list[dict[str, Any]]:
     for qtype in LLAMA_BASELINES:
         path = llama_quantized[f"llama.cpp {qtype}"] = work / "float" / f"llama-quantize-{qtype}.gguf"
         if not path.exists():
-            engine_check.llama_quantize(next((work / "float" / "gguf-f16").glob("*.gguf")), path, qtype)
-    windows = engine_check.eval_windows(run_dir)
+            llama_quantize(next((work / "float" / "gguf-f16").glob("*.gguf")), path, qtype)
+    windows = eval_windows(run_dir)
     ref = fake_quant(run_dir)["float"]
     rows = []
     for name, path in {"gguf-f16": work / "float" / "gguf-f16", "gguf-q8_0": work / "float" / "gguf-q8_0",

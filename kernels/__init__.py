@@ -5,7 +5,7 @@ paths (`reference`; the runner's own torch attention for `triton_attention`), Tr
 (`triton_wna16`, `triton_scaled`, `triton_act`, `triton_attention`, with the split-K reduction
 the GEMMs share in `split_k`; `gluon_wna16`, W4A16 at small M on Hopper in Triton's Gluon;
 imported lazily: this package imports without triton or a GPU)
-and the dispatching entry points (`ops`).
+and the dispatching entry points (`ops`), with what the kernels share with it in `common`.
 """
 
 from quantlab.kernels.layout import (

@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from quantlab.kernels.ops import Epilogue
+from quantlab.kernels.common import Epilogue
 
 PLAIN, RESIDUAL, RMS_SWIGLU, RMS_ROPE_CACHE = (tl.constexpr(int(k)) for k in Epilogue)
 RMS_CHUNK = tl.constexpr(256)

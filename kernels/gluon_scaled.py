@@ -50,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from quantlab.kernels.ops import cuda_capability, fastest
+from quantlab.kernels.common import cuda_capability, fastest
 
 # Names that moved between Triton releases (see gluon_wna16).
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared

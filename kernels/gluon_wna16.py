@@ -59,8 +59,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from quantlab.kernels.common import cuda_capability, sm_count
 from quantlab.kernels.layout import PackedWNA16
-from quantlab.kernels.ops import cuda_capability, sm_count
 from quantlab.kernels.split_k import atomic_sums, split_buffers
 
 # Names that moved between Triton releases: the CTA barrier (`thread_barrier` in 3.6,

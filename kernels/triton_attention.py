@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from quantlab.kernels.gemv_epilogue import combine_head
-from quantlab.kernels.ops import interpret_mode, pdl_launch, sm_count
+from quantlab.kernels.common import interpret_mode, pdl_launch, sm_count
 from quantlab.kernels.triton_wna16 import _dot, pdl_start, pdl_wait
 
 BLOCK_S = 32  # keys per inner iteration

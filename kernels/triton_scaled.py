@@ -37,8 +37,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from quantlab.kernels.common import autotune_bench, fastest, interpret_mode, retime_top, sm_count
 from quantlab.kernels.layout import PackedFP8, PackedW8A8
-from quantlab.kernels.ops import autotune_bench, fastest, interpret_mode, retime_top, sm_count
 from quantlab.kernels.split_k import (largest_split, split_total, split_workspaces, tail_buffers,
                                       wave_splits)
 

@@ -88,8 +88,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from quantlab.kernels import gemv_epilogue as epi
+from quantlab.kernels.common import autotune_bench, interpret_mode, pdl_launch, sm_count, use_triton
 from quantlab.kernels.layout import BLOCK_K, PackedWNA16
-from quantlab.kernels.ops import autotune_bench, interpret_mode, pdl_launch, sm_count, use_triton
 from quantlab.kernels.split_k import (atomic_sums, largest_split, split_buffers, split_total,
                                       split_workspaces, wave_splits)
 

@@ -110,7 +110,7 @@ def export_cmd(run_dir: Annotated[Path, typer.Argument(help="run directory (or i
                ) -> None:
     """Export a finished run's quantized model: each format to OUT/<format>/, validated."""
     from quantlab.export.api import export
-    from quantlab.export.registry import FORMATS
+    from quantlab.formats import FORMATS
 
     canonical = run_dir if (run_dir / "quant_config.json").is_file() else run_dir / "quantized"
     if not (canonical / "quant_config.json").is_file():

@@ -15,7 +15,7 @@ from typing import Callable
 from quantlab import stages
 from quantlab.context import RunContext
 from quantlab.data.sources import check_source
-from quantlab.export.registry import keeps_folded_weights
+from quantlab.formats import keeps_folded_weights
 from quantlab.models.sources import check_model_id
 from quantlab.recipe import Recipe, verify_dataset
 from quantlab.rundir import code_fingerprint, content_key

@@ -22,7 +22,7 @@ from pydantic import (
 )
 
 from quantlab.errors import UserError
-from quantlab.export.registry import ExportFormat
+from quantlab.formats import HEAD_FORMATS, ExportFormat
 from quantlab.quant.scheme import PRESETS, ActivationScheme, KVCacheScheme, WeightScheme
 
 
@@ -250,8 +250,6 @@ class Recipe(Strict):
 
     @model_validator(mode="after")
     def _head_exports(self) -> "Recipe":
-        from quantlab.export.registry import HEAD_FORMATS
-
         heads = [f"stages[{i}].{e.kind}.lm_head" for i, e in enumerate(self.stages)
                  if getattr(e.config, "lm_head", False)]
         refused = [f for f in self.export if f not in HEAD_FORMATS]

@@ -16,7 +16,7 @@ from quantlab.context import RunContext
 from quantlab.data import sampling, sources as data_sources
 from quantlab.engine.sequential import run_sequential
 from quantlab.eval.perplexity import perplexity
-from quantlab.export.registry import keeps_folded_weights
+from quantlab.formats import keeps_folded_weights
 from quantlab.models.arch import arch_spec_for
 from quantlab.progress import console, step
 from quantlab.algorithms.act_ranges import ActRanges, canonical_entries

@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,6 +128,27 @@ def build(tool: ToolEnv, root: Path, log: Path) -> None:
     if not installed_matches(python, tool):
         raise RuntimeError(f"{tool.name}: the environment lacks a pinned package or has a CUDA torch; see {log}")
     write_marker(python, tool, round(time.perf_counter() - start, 1))
+
+
+# Standalone scripts run in an engine's environment: ids or a file in, a JSON result out.
+ENGINE_SCRIPTS = Path(__file__).parent / "export" / "engines"
+
+
+def run_script(python: Path, script: str, args: list[str], out: Path) -> dict[str, Any]:
+    """Run `ENGINE_SCRIPTS/script` under `python` and read the JSON it writes to `out`."""
+    proc = subprocess.run([str(python), str(ENGINE_SCRIPTS / script), *args], capture_output=True, text=True)
+    if proc.returncode != 0 or not out.is_file():
+        raise RuntimeError(f"{script} {' '.join(args[:1])} failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads(out.read_text())
+
+
+def llama_quantize(src: Path, dst: Path, qtype: str) -> dict[str, Any]:
+    """llama.cpp's own quantizer (`llama-quantize`) applied to a GGUF file: the baseline a user
+    gets from a float GGUF without quantlab, and the writer of the GGUF K-quants."""
+    python = ensure(LLAMA_CPP)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        return run_script(python, "gguf_nll.py", ["quantize", str(src), str(dst), qtype, "--out", str(out)], out)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from quantlab.kernels import layout, ops, reference  # noqa: E402
+from quantlab.kernels import common, layout, ops, reference  # noqa: E402
 from quantlab.quant.primitives import QuantizedWeight, quantize_weight  # noqa: E402
 from quantlab.quant.scheme import WeightScheme  # noqa: E402
 
@@ -721,7 +721,7 @@ def test_pdl_is_requested_only_on_hopper_launches(monkeypatch):
             return lambda *args, **kwargs: seen.update(kwargs)
 
     monkeypatch.setattr(triton_wna16, "_gemv_kernel", Launch())
-    monkeypatch.setattr(ops, "pdl_on", lambda t: True)
+    monkeypatch.setattr(common, "pdl_on", lambda t: True)
     p = layout.pack_wna16(canonical(16, 128, 4, 64), torch.bfloat16).to(DEV)
     x = torch.randn(1, 128).bfloat16().to(DEV)
     for trigger, mode in ((None, ops.PdlTrigger.AFTER_WAIT), ("start", ops.PdlTrigger.START),
@@ -1124,7 +1124,7 @@ def test_gluon_scaled_kernel_keeps_one_wgmma_in_flight(kind, bm, bn, bk, stages,
 
 
 def test_fastest_compares_interleaved_medians(monkeypatch):
-    """`ops.fastest` times every candidate once per round, the rounds interleaved, and keeps
+    """`common.fastest` times every candidate once per round, the rounds interleaved, and keeps
     the best median: one lucky timing does not win, and a slowdown that hits every candidate
     in one round (clock drift) changes no choice."""
     script = {"a": [1.0, 1.5, 0.6], "b": [0.9, 1.4, 0.9], "c": [1.1, 1.6, 1.2]}
@@ -1135,13 +1135,13 @@ def test_fastest_compares_interleaved_medians(monkeypatch):
         calls.append(name)
         return script[name][calls.count(name) - 1]
 
-    monkeypatch.setattr(ops, "autotune_bench", fake_bench)
-    assert ops.fastest([lambda: "a", lambda: "b", lambda: "c"]) == 1  # medians 1.0, 0.9, 1.2
+    monkeypatch.setattr(common, "autotune_bench", fake_bench)
+    assert common.fastest([lambda: "a", lambda: "b", lambda: "c"]) == 1  # medians 1.0, 0.9, 1.2
     assert calls == ["a", "b", "c"] * 3
 
 
 def test_retime_top_keeps_the_best_median_of_the_autotuners_best(monkeypatch):
-    """`ops.retime_top` re-times the autotuner's `top` configs (by its one timing, median first)
+    """`common.retime_top` re-times the autotuner's `top` configs (by its one timing, median first)
     in `fastest`'s interleaved rounds and caches the winner for each new key; a tuner without
     timings keeps its pick."""
     import types
@@ -1159,15 +1159,15 @@ def test_retime_top_keeps_the_best_median_of_the_autotuners_best(monkeypatch):
         rounds_asked.append(rounds)
         return names.index("c")  # the interleaved rounds favour the autotuner's third
 
-    monkeypatch.setattr(ops, "fastest", fake_fastest)
-    ops.retime_top(tuner, {("k",)}, launch=lambda c: c, top=3)
+    monkeypatch.setattr(common, "fastest", fake_fastest)
+    common.retime_top(tuner, {("k",)}, launch=lambda c: c, top=3)
     assert seen == [["b", "a", "c"]] and tuner.cache[("k",)] == "c"
-    ops.retime_top(tuner, {("k",)}, launch=lambda c: c, top=9, rounds=7)
+    common.retime_top(tuner, {("k",)}, launch=lambda c: c, top=9, rounds=7)
     assert seen[-1] == ["b", "a", "c", "d"] and rounds_asked == [5, 7]
-    ops.retime_top(tuner, set(), launch=lambda c: c)  # nothing new: nothing timed
+    common.retime_top(tuner, set(), launch=lambda c: c)  # nothing new: nothing timed
     assert len(seen) == 2
     bare = types.SimpleNamespace(cache={("k",): "b"})
-    ops.retime_top(bare, {("k",)}, launch=lambda c: c)
+    common.retime_top(bare, {("k",)}, launch=lambda c: c)
     assert bare.cache[("k",)] == "b" and len(seen) == 2
 
 

@@ -23,7 +23,7 @@ from quantlab.algorithms.smoothquant import SmoothQuant
 from quantlab.engine.sequential import LayerContext, run_sequential
 from quantlab.errors import UserError
 from quantlab.export import api
-from quantlab.export.registry import FORMATS
+from quantlab.formats import FORMATS
 from quantlab.models.arch import arch_spec_for
 from quantlab.models.moe import Experts, unfuse_experts
 from quantlab.pipeline import run_recipe

@@ -3,6 +3,6 @@ and validate them. One module per format (`awq`, `gptq`, `compressed_tensors`, `
 `trtllm`, `paddlenlp`), each with `write`, `read`, `validate` and `matches` (and `read_scales`
 where the format carries activation / KV-cache scales); `api` ties them together."""
 
-from quantlab.export.registry import FORMATS, ExportFormat
+from quantlab.formats import FORMATS, ExportFormat
 
 __all__ = ["FORMATS", "ExportFormat"]

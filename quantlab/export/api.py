@@ -7,8 +7,9 @@ from pathlib import Path
 
 from quantlab.errors import UserError
 from quantlab.export.checks import Report
-from quantlab.export.registry import FORMATS, HEAD_FORMATS, family_modules, module_for
+from quantlab.export.registry import family_modules, module_for
 from quantlab.export.source import load_source, read_sidecar
+from quantlab.formats import FORMATS, HEAD_FORMATS
 from quantlab.rundir import atomic_path
 
 

@@ -29,8 +29,8 @@ import torch
 
 from quantlab.errors import UserError
 from quantlab.export.checks import Report
-from quantlab.export.registry import K_QUANTS  # through llama.cpp's quantizer
 from quantlab.export.source import Canonical, head_dim, linear_shapes, read_sidecar, sidecar_source, write_sidecar
+from quantlab.formats import K_QUANTS  # through llama.cpp's quantizer
 from quantlab.models.arch import ARCH_SPECS
 from quantlab.quant.primitives import QuantizedWeight
 
@@ -238,7 +238,7 @@ def write(src: Canonical, tmp: Path, final: Path, qtype: str = "q8_0") -> None:
     tmp.mkdir(parents=True)
     fname = f"model-{qtype.upper()}.gguf"
     if qtype in K_QUANTS:
-        from quantlab.export.engine_check import llama_quantize
+        from quantlab.toolenv import llama_quantize
 
         folded = _k_quant_input(src, qtype)
         f16 = tmp / "model-F16.partial.gguf"
