@@ -12,7 +12,7 @@ Q4_0 and Q4_K_M files made from the F16 one by llama.cpp's own quantizer (what a
 without us).
 
     python benchmarks/export_engines.py       # writes benchmarks/results/export_engines_cpu.{json,md}
-    python benchmarks/export_engines.py --windows 8 --calib-samples 8 --work /tmp/ee --out /tmp/ee/r.json   # the CI test's size
+    python benchmarks/export_engines.py --windows 8 --calib-samples 8 --work /tmp/ee --out /tmp/ee/r.json   # a quick run
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def score_case(case: Case, run_dir: Path) -> list[dict[str, Any]]:
         say(f"{case.id}: scoring {fmt}")
         result = engine_check.score(run_dir / "export" / fmt, windows)
         rows.append({"case": case.id, "export": fmt, **result, "fake_quant_perplexity": ppl["quantized"],
-                     "float_perplexity": ppl["float"], "delta_vs_fake_quant_pct": delta_pct(result["perplexity"], ppl["quantized"]),
+                     "float_perplexity": ppl.get("float"), "delta_vs_fake_quant_pct": delta_pct(result["perplexity"], ppl["quantized"]),
                      "bytes": export_bytes(run_dir / "export" / fmt)})
     return rows
 
@@ -121,9 +121,9 @@ def export_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in files)
 
 
-def float_baselines(run_dir: Path, work: Path) -> list[dict[str, Any]]:
-    """The float model as F16 and Q8_0 GGUF (quantlab's writer), and llama.cpp's Q4_0 and Q4_K_M
-    of the F16."""
+def float_baselines(run_dir: Path, work: Path, qtypes: tuple[str, ...] = LLAMA_BASELINES) -> list[dict[str, Any]]:
+    """The float model as F16 and Q8_0 GGUF (quantlab's writer), and llama.cpp's `qtypes` (Q4_0
+    and Q4_K_M) of the F16."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from quantlab.export.api import export
@@ -139,7 +139,7 @@ def float_baselines(run_dir: Path, work: Path) -> list[dict[str, Any]]:
         if not (work / "float" / fmt).exists():
             export(canonical, work / "float" / fmt, fmt)
     llama_quantized = {}
-    for qtype in LLAMA_BASELINES:
+    for qtype in qtypes:
         path = llama_quantized[f"llama.cpp {qtype}"] = work / "float" / f"llama-quantize-{qtype}.gguf"
         if not path.exists():
             llama_quantize(next((work / "float" / "gguf-f16").glob("*.gguf")), path, qtype)

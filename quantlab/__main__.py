@@ -1,3 +1,7 @@
-from quantlab.cli import app
+from quantlab.checkout import drop_checkout_root
+
+drop_checkout_root()
+
+from quantlab.cli import app  # noqa: E402
 
 app(prog_name="quantlab")

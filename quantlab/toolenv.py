@@ -10,7 +10,6 @@ pinned to the CPU build, so no dependency can pull a CUDA torch.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -21,6 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from filelock import FileLock
 
 TORCH_PIN = "torch==2.13.0"  # the CPU build on this index; an unpinned torch pulls GBs of CUDA wheels
 MARKER = "quantlab-toolenv.json"
@@ -76,8 +77,7 @@ def ensure(tool: ToolEnv, root: Path | None = None, log: Path | None = None) -> 
     root = root or default_root()
     root.mkdir(parents=True, exist_ok=True)
     log = log or root / f"{tool.name}-install.log"
-    with (root / f"{tool.name}.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with FileLock(root / f"{tool.name}.lock"):
         if python := python_of(tool, root):
             return python
         venv = root / tool.name

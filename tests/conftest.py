@@ -6,7 +6,12 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
+
+from quantlab.checkout import drop_checkout_root
+
+drop_checkout_root()  # `python -m pytest` from the root: `kernels/` must not pass for HF's `kernels`
+
+import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -77,3 +82,34 @@ def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
     tiny_model("llama").save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+# ----------------------------------------------------------------------------- real SmolLM2 runs
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "smollm2(*cases): reads these shared real-SmolLM2 runs (tests/smollm2_runs.py)")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def smollm2_pool(request, tmp_path_factory):
+    """Starts, at the beginning of the session, every shared SmolLM2 run a selected test reads,
+    so they run beside the unit tests (tests/smollm2_runs.py)."""
+    wanted = {case for item in request.session.items for mark in item.iter_markers("smollm2") for case in mark.args}
+    if not wanted:
+        yield None
+        return
+    from smollm2_runs import SmolLM2Runs
+
+    runs = SmolLM2Runs(tmp_path_factory.mktemp("smollm2"))
+    torch.set_num_threads(1)  # two one-thread runs already fill the two cores
+    runs.start(wanted)
+    yield runs
+    runs.close()
+
+
+@pytest.fixture
+def smollm2(request, smollm2_pool):
+    """`smollm2(case_id)` waits for that shared run and returns it."""
+    assert smollm2_pool is not None, "mark the test with @pytest.mark.smollm2(...)"
+    return smollm2_pool.get

@@ -1,14 +1,9 @@
-"""Issue 6 bar 4 on the CPU (slow): the bundled runner against the fake-quant model on real
-SmolLM2 runs — W4A16 AWQ, W4A16 GPTQ with act_order, W8A8 SmoothQuant, FP8 with an int8 KV
-cache — through benchmarks/verify_runner.py at a small size (8 prompts × 32 greedy tokens,
-8 calibration samples).
-
-Perplexity is taken on 16 windows of 512, not fewer: FP8 with an int8 KV cache is chaotic in
-float32 (a last-bit difference flips an e4m3 code and the flip grows through 30 layers), so on
-few tokens its perplexity is mostly rounding. On a Xeon, the fake-quant model's own 4-window
-perplexity sits 0.48 % from its float64 copy, and the runner's sits 0.63 % from the fake-quant
-model's; on 8 windows it sits 0.31 % away, on 16 windows 0.10 %. The CPU model decides which
-codes flip, so a 4-window bar passes or fails by machine.
+"""The bundled runner against the fake-quant model on real SmolLM2 runs (slow) — W4A16
+AWQ + GPTQ, W4A16 GPTQ asymmetric with act_order, W8A8 SmoothQuant (dynamic per token), static
+FP8 with an FP8 KV cache — read from the shared runs' `verify` reports (tests/smollm2_runs.py:
+8 prompts × 32 greedy tokens; perplexity on 16 windows of 512 for the schemes that round
+activations, 4 for weight-only ones). The int8 KV cache is verified on tiny models
+(tests/test_act_quant.py, tests/test_runner.py).
 
 Weight-only schemes must agree on ≥ 99 % of greedy tokens. Schemes that round activations
 have a floor below that: the fake-quant model disagrees with its own float64 copy where a
@@ -19,38 +14,22 @@ float64 (`verify.precision`) no code flips on rounding, and those schemes too ag
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from conftest import REPO
+from smollm2_runs import FLOAT64_WINDOWS
 
-pytestmark = pytest.mark.slow
-WEIGHT_ONLY = ("w4a16-awq", "w4a16-gptq-act_order")
+WEIGHT_ONLY = ("awq-gptq-w4-g32-sym", "gptq-w4-g64-asym-act_order")
+ROUNDING = ("smoothquant-w8a8-dynamic", "fp8-static-fp8-kv")
 
-
-ROUNDING = ("w8a8-smoothquant", "fp8-int8-kv")
-
-
-def verify_rows(work, *extra: str, windows: int = 16) -> dict[str, dict]:
-    out = work / "result.json"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "verify_runner.py"), "--device", "cpu",
-                           "--prompts", "8", "--new-tokens", "32", "--windows", str(windows), "--calib-samples", "8",
-                           "--work", str(work), "--out", str(out), *extra],
-                          capture_output=True, text=True, cwd=REPO, timeout=3600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {r["case"]: r for r in json.loads(out.read_text())["rows"]}
+pytestmark = [pytest.mark.slow, pytest.mark.smollm2(*WEIGHT_ONLY, *ROUNDING)]
 
 
-@pytest.fixture(scope="module")
-def rows(tmp_path_factory) -> dict[str, dict]:
-    return verify_rows(tmp_path_factory.mktemp("verify_runner"))
+@pytest.fixture
+def rows(smollm2) -> dict[str, dict]:
+    return {case: smollm2(case).verify for case in (*WEIGHT_ONLY, *ROUNDING)}
 
 
 def test_runner_perplexity_matches_fake_quant_within_half_a_percent(rows):
-    assert set(rows) == {*WEIGHT_ONLY, "w8a8-smoothquant", "fp8-int8-kv"}
     for case, r in rows.items():
         assert abs(r["perplexity_delta_pct"]) <= 0.5, (case, r["perplexity_delta_pct"])
 
@@ -70,13 +49,15 @@ def test_activation_rounding_runner_sits_at_the_reference_floor(rows):
         assert r["verify"]["logits"]["rel"] <= 1.5 * floor, (case, r["verify"]["logits"]["rel"], floor)
 
 
-def test_activation_rounding_runner_matches_in_float64(tmp_path):
+def test_activation_rounding_runner_matches_in_float64(smollm2):
     """verify.precision float64: with rounding out of the way the runner computes what the
     fake-quant model computes — the same logits to float64 rounding, ≥ 99 % of greedy tokens
-    (in fact all) and the same perplexity."""
-    rows64 = verify_rows(tmp_path, "--precision", "float64", "--only", ",".join(ROUNDING), windows=4)
-    assert set(rows64) == set(ROUNDING)
-    for case, r in rows64.items():
+    (in fact all) and the same perplexity. The rerun reuses the run's quantized model: only
+    the verify stage and the report run again."""
+    for case in ROUNDING:
+        r = smollm2(case).verify64
+        assert "skip quantize: done" in r["stderr"] and "skip evaluate_quantized: done" in r["stderr"], case
+        assert r["verify"]["dtype"] == "float64" and r["verify"]["perplexity"]["runner"]["windows"] == FLOAT64_WINDOWS, case
         assert r["greedy_agreement"] >= 0.99 and r["meets_bar"], (case, r["greedy_agreement"])
         assert r["verify"]["logits"]["rel"] < 1e-10, (case, r["verify"]["logits"]["rel"])
         assert abs(r["perplexity_delta_pct"]) < 1e-6, (case, r["perplexity_delta_pct"])

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import platformdirs
+from filelock import FileLock
 
 from quantlab.errors import UserError
 from quantlab.rundir import file_sha256
@@ -61,11 +62,18 @@ def float_checkpoint(alias: str) -> Path:
     """Directory holding the float safetensors copy of a built-in model, created on first use."""
     spec = BUILTIN_MODELS[alias]
     target = cache_root() / "models" / alias
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+    if _is_complete(target):
         return target
-    gguf = locate_gguf(spec)
-    _dequantize_to(gguf, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # runs started side by side on a cold cache: one makes the copy, the others wait for it
+    with FileLock(target.with_name(alias + ".lock")):
+        if not _is_complete(target):
+            _dequantize_to(locate_gguf(spec), target)
     return target
+
+
+def _is_complete(target: Path) -> bool:
+    return (target / "config.json").is_file() and (target / "model.safetensors").is_file()
 
 
 def locate_gguf(spec: BuiltinModel) -> Path:

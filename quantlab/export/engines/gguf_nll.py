@@ -68,7 +68,8 @@ def main() -> int:
     s.add_argument("model")
     s.add_argument("windows")
     s.add_argument("out")
-    s.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    s.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1),
+                   help="llama.cpp threads (default: $OMP_NUM_THREADS, else every core)")
     q = sub.add_parser("quantize")
     q.add_argument("src")
     q.add_argument("dst")
