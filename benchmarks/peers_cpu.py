@@ -639,7 +639,7 @@ def markdown(payload: dict[str, Any], results: list[Result]) -> str:
         f"load average {m['load_avg_start']} at start, {m['load_avg_end']} at end",
         f"- total benchmark time: {payload['total_seconds']:.0f} s",
         "- the peers' AWQ rows take hours here and are `stopped`; their perplexity, quantized on a GPU with the "
-        "same inputs and scorer, is in `peers_gpu_awq.md`", "",
+        "same inputs and scorer, is in `peers_gpu_awq_<gpu>.md`", "",
         "quantize s = the tool's own time around its quantize call; wall s = the whole child process "
         "(load, calibration, quantize, evaluation); ×peer = quantlab's time over the fastest peer's "
         "for the same method and group size (`<x`: the fastest peer was stopped by --timeout, so its whole wall time exceeds what was measured and the ratio is below x). Activation / KV rows (no group): quantlab runs the `stages` of "

@@ -23,6 +23,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -36,7 +37,7 @@ CARRY = pc.REPO / "runs" / "peers_gpu_awq"  # runs/ is git-ignored
 WHEELS_DIR = pc.REPO / ".whl"
 SPLIT = 50_000_000  # GGUF bytes in the first call
 ROOT = Path("/root/gpu_awq")  # on the device
-RESULTS = pc.REPO / "benchmarks" / "results" / "peers_gpu_awq"
+RESULTS = pc.REPO / "benchmarks" / "results"
 # Why a quantized row may score as the float model (the report marks such rows invalid).
 INVALID = {"llmcompressor": (
     "after oneshot on a GPU compressed-tensors keeps the model CPU-offloaded and onloads a fresh copy of "
@@ -129,7 +130,9 @@ def report(args: argparse.Namespace) -> None:
         base = floats.get("float-cuda" if r["scored_on"] == "cuda" else "float")
         if r["tool"] != "float" and r.get("perplexity") and base and abs(r["perplexity"] / base - 1) < 1e-4:
             r["status"], r["error"] = "invalid", "scores as the float model: " + INVALID.get(r["tool"], "cause unknown")
-    RESULTS.with_suffix(".json").write_text(json.dumps(s, indent=2) + "\n")
+    # one result per device: benchmarks/results/peers_gpu_awq_<gpu name as a slug>.json / .md
+    out = RESULTS / ("peers_gpu_awq_" + re.sub(r"[^a-z0-9]+", "_", s["device"]["gpu"].lower()).strip("_") + ".json")
+    out.write_text(json.dumps(s, indent=2) + "\n")
     cols = ["row", "tool", "method", "scored on", "perplexity", "Δ vs float (same scorer)", "CPU-run ppl",
             "quantize s", "wall s", "status"]
     fmt = lambda v, f: "—" if v is None else format(v, f)  # noqa: E731
@@ -152,7 +155,7 @@ def report(args: argparse.Namespace) -> None:
                                         fmt(r.get("wall_s"), ".1f"), status.replace("|", "\\|")]) + " |")
     notes = [f"- `{r['id']}`: " + "; ".join(r["notes"]) for r in s["rows"] if r.get("notes")]
     lines += ["", "## Notes", "", *notes] if notes else []
-    RESULTS.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -14,7 +14,8 @@ kernels and CUDA graphs; the fake-quant reference runs in float32).
     python benchmarks/verify_runner.py --device cuda --dtype float16 --model /path/SmolLM2.gguf --data DIR
 
 Writes `benchmarks/results/verify_runner_<device>.json` and `.md` (`cpu`, or the GPU's name as
-`nvidia_h200`; `_float64` appended with `--precision float64`), unless `--out` says otherwise.
+`nvidia_h200`), unless `--out` says otherwise: one file per device, each configuration (verify
+precision, dtype) a part of it that the next run of that configuration replaces.
 """
 
 from __future__ import annotations
@@ -123,9 +124,8 @@ def device_name(device: str) -> str:
 
 
 def result_name(payload: dict[str, Any]) -> str:
-    """`cpu`, or the GPU's name as a slug (`nvidia_h200`), with `_float64` for --precision float64."""
-    device = "cpu" if payload["device"] == "cpu" else re.sub(r"[^a-z0-9]+", "_", payload["device_name"].lower()).strip("_")
-    return device + ("_float64" if payload["precision"] == "float64" else "")
+    """`cpu`, or the GPU's name as a slug (`nvidia_h200`)."""
+    return "cpu" if payload["device"] == "cpu" else re.sub(r"[^a-z0-9]+", "_", payload["device_name"].lower()).strip("_")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,11 +152,23 @@ def main(argv: list[str] | None = None) -> int:
                "dtype": args.dtype or "recipe default", "precision": args.precision or "model",
                "command": " ".join(["python", "benchmarks/verify_runner.py", *(argv or sys.argv[1:])]), "rows": rows}
     out = args.out or REPO / "benchmarks" / "results" / f"verify_runner_{result_name(payload)}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(payload))
+    save(payload, out)
     print(markdown(payload))
     return 0
+
+
+def save(payload: dict[str, Any], out: Path) -> None:
+    """One result file per device: each configuration (verify precision, dtype) is a part that
+    a new run of the same configuration replaces."""
+    parts = []
+    if out.is_file():
+        saved = json.loads(out.read_text())
+        parts = saved.get("parts", [saved])
+    same = lambda p: (p.get("precision", "model"), p["dtype"]) == (payload["precision"], payload["dtype"])  # noqa: E731
+    parts = [p for p in parts if not same(p)] + [payload]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"parts": parts}, indent=2) + "\n")
+    out.with_suffix(".md").write_text("\n".join(markdown(p) for p in parts))
 
 
 if __name__ == "__main__":

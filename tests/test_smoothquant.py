@@ -227,7 +227,8 @@ def test_search_weight_scheme_follows_the_next_weight_stage(tmp_path):
 
 
 def test_static_benchmark_pair_differs_only_by_smoothing():
-    """Bar 2 compares these two recipes: everything but the smoothquant stage must match."""
+    """The peers benchmark compares these two recipes (static W8A8 with and without SmoothQuant):
+    everything but the smoothquant stage must match."""
     from quantlab.recipe import load_recipe
     from conftest import REPO
 
