@@ -91,6 +91,12 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "smollm2(*cases): reads these shared real-SmolLM2 runs (tests/smollm2_runs.py)")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests that read the shared SmolLM2 runs go last, so the unit tests run while the runs do
+    instead of waiting behind a test that waits for its run."""
+    items.sort(key=lambda item: item.get_closest_marker("smollm2") is not None)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def smollm2_pool(request, tmp_path_factory):
     """Starts, at the beginning of the session, every shared SmolLM2 run a selected test reads,

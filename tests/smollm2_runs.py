@@ -4,8 +4,8 @@ the real CLI, and every test that needs it reads the same run directory.
 
 A test names the runs it reads with `@pytest.mark.smollm2("case", ...)`. When such tests are
 selected, the runs start at the beginning of the session on a pool of two workers, each running
-single-threaded processes, while the unit tests run beside them; a test blocks only on the runs
-it reads. Much of a run does not use a second thread (the GPTQ column sweep, Python overhead):
+single-threaded processes, while the unit tests run beside them (the tests that read runs are
+ordered last, conftest.py); a test blocks only on the runs it reads. Much of a run does not use a second thread (the GPTQ column sweep, Python overhead):
 a GPTQ run took 78 s on one thread and 59 s on two, so two one-thread runs side by side do
 ~1.5× the work of one two-thread run.
 
