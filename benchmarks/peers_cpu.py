@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -672,6 +673,11 @@ def machine_info() -> dict[str, Any]:
     return {"cpu": cpu, "nproc": len(os.sched_getaffinity(0)), "mem_gib": round(mem / 2**20, 1),
             "torch_threads": torch.get_num_threads(), "platform": platform.platform(), "nice": os.nice(0),
             "load_avg_start": round(os.getloadavg()[0], 2)}
+
+
+def device_slug(name: str) -> str:
+    """A device's name as it appears in result file names (`NVIDIA H200` → `nvidia_h200`)."""
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
 def cpu_name() -> str:

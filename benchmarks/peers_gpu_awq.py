@@ -23,7 +23,6 @@ import argparse
 import hashlib
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -131,7 +130,7 @@ def report(args: argparse.Namespace) -> None:
         if r["tool"] != "float" and r.get("perplexity") and base and abs(r["perplexity"] / base - 1) < 1e-4:
             r["status"], r["error"] = "invalid", "scores as the float model: " + INVALID.get(r["tool"], "cause unknown")
     # one result per device: benchmarks/results/peers_gpu_awq_<gpu name as a slug>.json / .md
-    out = RESULTS / ("peers_gpu_awq_" + re.sub(r"[^a-z0-9]+", "_", s["device"]["gpu"].lower()).strip("_") + ".json")
+    out = RESULTS / f"peers_gpu_awq_{pc.device_slug(s['device']['gpu'])}.json"
     out.write_text(json.dumps(s, indent=2) + "\n")
     cols = ["row", "tool", "method", "scored on", "perplexity", "Δ vs float (same scorer)", "CPU-run ppl",
             "quantize s", "wall s", "status"]

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -125,7 +124,9 @@ def device_name(device: str) -> str:
 
 def result_name(payload: dict[str, Any]) -> str:
     """`cpu`, or the GPU's name as a slug (`nvidia_h200`)."""
-    return "cpu" if payload["device"] == "cpu" else re.sub(r"[^a-z0-9]+", "_", payload["device_name"].lower()).strip("_")
+    from peers_cpu import device_slug
+
+    return "cpu" if payload["device"] == "cpu" else device_slug(payload["device_name"])
 
 
 def main(argv: list[str] | None = None) -> int:

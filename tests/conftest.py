@@ -115,7 +115,7 @@ def smollm2_pool(request, tmp_path_factory):
 
 
 @pytest.fixture
-def smollm2(request, smollm2_pool):
+def smollm2(smollm2_pool):
     """`smollm2(case_id)` waits for that shared run and returns it."""
     assert smollm2_pool is not None, "mark the test with @pytest.mark.smollm2(...)"
     return smollm2_pool.get

@@ -29,7 +29,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,23 +102,33 @@ class Run:
     case: Case
     dir: Path
     proc: subprocess.CompletedProcess
-    cwd: Path
     rows: list[dict[str, Any]] = field(default_factory=list)
     verify: dict[str, Any] | None = None
     verify64: dict[str, Any] | None = None
-    seconds: float = 0.0
+
+    @property
+    def cwd(self) -> Path:
+        """The directory the CLI ran from (the run directory's parent)."""
+        return self.dir.parent
 
     def report(self) -> dict[str, Any]:
         return json.loads((self.dir / "reports" / "report.json").read_text())
 
 
-def cli(recipe: str, sets: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    """`python -m quantlab run` on a shipped recipe, one thread, from `cwd` (as a user would)."""
-    cmd = [sys.executable, "-m", "quantlab", "run", str(REPO / "recipes" / f"{recipe}.yaml")]
+def cli(case: Case, sets: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """`python -m quantlab run` on the case's shipped recipe from `cwd` (as a user would); one
+    thread, through the environment `SmolLM2Runs.start` sets."""
+    cmd = [sys.executable, "-m", "quantlab", "run", str(REPO / "recipes" / f"{case.recipe}.yaml")]
     for s in sets:
         cmd += ["--set", s]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=3600,
-                          env={**os.environ, **ONE_THREAD})
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{case.id}: quantlab run {' '.join(sets)} failed:\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def verify_summary(run_dir: Path) -> dict[str, Any]:
+    return verify_runner.summary(json.loads((run_dir / "reports" / "verify.json").read_text()))
 
 
 class SmolLM2Runs:
@@ -150,22 +159,16 @@ class SmolLM2Runs:
         return self._submit(case_id).result()
 
     def _run(self, case: Case) -> Run:
-        start = time.perf_counter()
-        cwd = self.root / case.id
-        cwd.mkdir(parents=True, exist_ok=True)
-        run_dir = cwd / "run"
-        proc = cli(case.recipe, case.cli_sets(run_dir), cwd)
-        run = Run(case, run_dir, proc, cwd)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{case.id}: quantlab run failed:\n{proc.stderr[-3000:]}")
+        run_dir = self.root / case.id / "run"
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        run = Run(case, run_dir, cli(case, case.cli_sets(run_dir), run_dir.parent))
         if case.verify_windows:
-            run.verify = verify_runner.summary(json.loads((run_dir / "reports" / "verify.json").read_text()))
+            run.verify = verify_summary(run_dir)
         if case.exports:
             run.rows = export_engines.score_case(export_engines.Case(case.id, case.recipe, case.sets, case.exports),
                                                  run_dir)
         if case.float64:
             run.verify64 = self._verify_float64(case, run_dir)
-        run.seconds = time.perf_counter() - start
         return run
 
     def _verify_float64(self, case: Case, run_dir: Path) -> dict[str, Any]:
@@ -175,12 +178,8 @@ class SmolLM2Runs:
         sets = [s for s in case.cli_sets(run_dir) if not s.startswith("verify.")]
         sets += ["verify.precision=float64", "verify.num_prompts=4", "verify.max_new_tokens=16",
                  f"verify.perplexity_windows={FLOAT64_WINDOWS}"]
-        proc = cli(case.recipe, sets, run_dir.parent)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{case.id} float64: quantlab run failed:\n{proc.stderr[-3000:]}")
-        manifest = json.loads((run_dir / "manifest.json").read_text())
-        summary = verify_runner.summary(json.loads((run_dir / "reports" / "verify.json").read_text()))
-        return {**summary, "stderr": proc.stderr, "stages": list(manifest["stages"])}
+        proc = cli(case, sets, run_dir.parent)
+        return {**verify_summary(run_dir), "stderr": proc.stderr}
 
     def _float_gguf(self) -> list[dict[str, Any]]:
         w8 = self.get("rtn-w8-per-channel")
