@@ -2,11 +2,10 @@
 same canonical form.
 
 * GGUF through transformers' GGUF loader (its own dequantizer, name map and Q/K un-permute).
-* compressed-tensors through transformers + compressed-tensors (needs `compressed_tensors`;
-  symmetric W4A16 — transformers 5.23 + compressed-tensors 0.19/0.20 cannot load asymmetric
-  pack-quantized checkpoints at all: it builds unpacked `weight_zero_point` placeholders and
-  rejects the packed ones llm-compressor writes, llm-compressor issue #1618 — so the
-  asymmetric layout is checked against compressed-tensors' own decompressor instead).
+* compressed-tensors through transformers + compressed-tensors (needs `compressed_tensors`),
+  loaded the plain way (`from_pretrained(path)`): symmetric checkpoints on transformers'
+  compressed route, asymmetric ones on its dequantize-at-load route, which reads the zero
+  point packed along the output dim as vLLM does (quantlab/export/compressed_tensors.py).
 * AWQ through transformers + gptqmodel, GPTQ through `GPTQModel.load`, in gptqmodel's own
   environment (quantlab.toolenv; built on first use, ~1 min; `.ci/run` builds it up front).
 The GGUF and compressed-tensors tests need `gguf` / `compressed_tensors`, both in the dev extra.
@@ -156,18 +155,62 @@ def test_gguf_k_quant_rounds_the_folded_weights_once(tmp_path, tokenizer):
 # ----------------------------------------------------------------------------- compressed-tensors
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
-def test_compressed_tensors_loads_in_transformers(tmp_path, tokenizer, model_type):
+CT_CASES = {
+    "sym-g64-llama": ("llama", SYM, {}),
+    "sym-g64-qwen2": ("qwen2", SYM, {}),
+    "asym-g64-qwen2": ("qwen2", WeightScheme(bits=4, symmetric=False, group_size=64), {}),
+    "asym-g128": ("llama", WeightScheme(bits=4, symmetric=False, group_size=128),
+                  dict(hidden_size=128, intermediate_size=256)),
+    # k_proj / v_proj have 20 outputs: their zero points end in a half-filled int32 word
+    "asym-g16-packing-tail": ("llama", WeightScheme(bits=4, symmetric=False, group_size=16),
+                              dict(head_dim=20, num_key_value_heads=1)),
+    "w8-asym-channel": ("llama", WeightScheme(bits=8, symmetric=False, group_size=None), {}),
+}
+
+
+@pytest.mark.parametrize("case", CT_CASES)
+def test_compressed_tensors_loads_in_transformers(tmp_path, tokenizer, case):
+    """`AutoModelForCausalLM.from_pretrained(export)` with no arguments, as a user loads it,
+    computes the fake-quant model's logits; the validator's load-layout rule ran."""
     pytest.importorskip("compressed_tensors")
     from transformers import AutoModelForCausalLM
 
-    canonical = make_canonical(tmp_path, tokenizer, model_type, SYM)
+    model_type, scheme, dims = CT_CASES[case]
+    canonical = make_canonical(tmp_path, tokenizer, model_type, scheme, **dims)
     out = tmp_path / "ct"
-    api.export(canonical, out, "compressed-tensors")
+    report = api.export(canonical, out, "compressed-tensors")
+    assert report.rule_counts()["transformers load layout"][0] >= 3
+    assert report.facts["transformers route"].startswith("compressed" if scheme.symmetric else "dense")
     loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     ids = sample_ids()
     ref = logits(load_fake_quant_model(canonical), ids)
     assert torch.allclose(logits(loaded, ids), ref, atol=1e-5, rtol=0)
+
+
+def test_compressed_tensors_validator_rejects_what_transformers_cannot_load(tmp_path, tokenizer):
+    """An asymmetric export without `dequantize` (llm-compressor's own output at these
+    versions) fails validation twice: the route rule, and the layout transformers' compressed
+    route builds, asked of the installed packages (the dev extra pins compressed-tensors 0.20,
+    whose meta-device compression leaves the zero point unpacked)."""
+    pytest.importorskip("compressed_tensors")
+    import json
+
+    from quantlab.export import compressed_tensors as ct, ct_load_layout
+    from quantlab.export.checks import Report
+    from quantlab.export.hf_checkpoint import load_tensors
+
+    canonical = make_canonical(tmp_path, tokenizer, "llama", ASYM)
+    out = tmp_path / "ct"
+    api.export(canonical, out, "compressed-tensors")
+    config = json.loads((out / "config.json").read_text())
+    del config["quantization_config"]["dequantize"]
+    (out / "config.json").write_text(json.dumps(config))
+    assert [c.subject for c in ct.validate(out).failures] == ["quantization_config.dequantize"]
+    report = Report("compressed-tensors", str(out))
+    ct_load_layout.check(report, out, config["quantization_config"], load_tensors(out), ct.read(out)[1])
+    assert report.facts["transformers route"] == "compressed" and len(report.failures) == 2 * 7
+    details = {c.subject: c.detail for c in report.failures}
+    assert details["model.layers.0.self_attn.q_proj"].endswith("weight_zero_point [8, 2] where the loader builds [64, 2]")
 
 
 def test_compressed_tensors_carries_a_quantized_lm_head(tmp_path, tokenizer):

@@ -7,8 +7,19 @@ The compression format follows the canonical scheme the way compressed-tensors' 
     int32 `[out, ceil(in·b/32)]`: codes stored as `q_signed + 2^(b−1)` (which is the canonical
     unsigned code) packed densely along the input dim (compressed-tensors' `pack_to_int32`);
     `weight_shape` int64 `[2]`; asymmetric schemes add `weight_zero_point` int32
-    `[ceil(out·b/32), groups]` packed along dim 0. Symmetric codes have their zero at
-    2^(b−1) implicitly.
+    `[ceil(out·b/32), groups]` packed along dim 0 (the output dim): the layout
+    compressed-tensors' own PackedQuantizationCompressor writes and unpacks, and the one vLLM's
+    compressed-tensors WNA16 scheme allocates (`out // pack_factor` rows, `packed_dim=0`).
+    Symmetric codes have their zero at 2^(b−1) implicitly.
+    transformers (5.23, with compressed-tensors 0.20) builds the model it loads such a
+    checkpoint into by compressing placeholder Linears on the meta device, and that path leaves
+    `weight_zero_point` unpacked, `[out, groups]`: the packed tensors do not fit, and an unpacked
+    one would fit but decompress wrongly on the first forward. So asymmetric pack-quantized
+    checkpoints carry `"dequantize": true` in their quantization_config: transformers then
+    loads dense Linears and runs compressed-tensors' decompressor on each module's tensors as
+    stored, which reads the packed zero point. vLLM and SGLang ignore the key. The validator
+    checks each export against what the installed transformers + compressed-tensors build
+    (`quantlab.export.ct_load_layout`).
   * `int-quantized` — W8A8: symmetric int8 weights with int8 input activations. `weight` int8
     `[out, in]` holds the signed code `q − 128`.
   * `float-quantized` — FP8 e4m3 weights with FP8 input activations; `weight` float8_e4m3fn.
@@ -39,6 +50,7 @@ from typing import Any
 import torch
 
 from quantlab.errors import UserError
+from quantlab.export import ct_load_layout
 from quantlab.export.bits import pack_dense, packed_len, unpack_dense
 from quantlab.export.checks import Report
 from quantlab.export.hf_checkpoint import (start_validation, check_bias, check_layout, load_tensors, read_config,
@@ -99,7 +111,13 @@ def quantization_config(src: Canonical) -> dict[str, Any]:
         "ignore": [*([] if src.head_quantized else ["lm_head"]), *src.unquantized_linears()],
         "quantization_status": "compressed", "sparsity_config": {}, "transform_config": {},
         "global_compression_ratio": None, "version": CT_VERSION,
+        **({"dequantize": True} if loads_dense(fmt, src.scheme.symmetric) else {}),
     }
+
+
+def loads_dense(fmt: str, symmetric: bool) -> bool:
+    """Whether transformers must take its dequantize-at-load route (module docstring)."""
+    return fmt == "pack-quantized" and not symmetric
 
 
 def check_exportable(src: Canonical) -> None:
@@ -286,6 +304,10 @@ def validate(path: Path) -> Report:
     want_type = "float" if fmt in ("float-quantized", "naive-quantized") else "int"
     report.check("format matches the weights", f"{wwhere}.type", wtype == want_type,
                  f"format {fmt} stores {want_type} weights, got type {wtype!r}")
+    if loads_dense(fmt, sym is not False):
+        report.check("transformers load route", f"{where}.dequantize", qcfg.get("dequantize") is True,
+                     "asymmetric pack-quantized needs \"dequantize\": true: transformers' compressed route builds "
+                     "weight_zero_point unpacked and cannot take the packed layout vLLM reads")
     acts = group.get("input_activations")
     wants_acts = fmt in ("int-quantized", "float-quantized")
     report.check("format matches the activations", f"{gwhere}.input_activations", (acts is not None) == wants_acts,
@@ -345,6 +367,7 @@ def validate(path: Path) -> Report:
     if report.ok and expected:
         _, quantized = read(path)
         check_fingerprints(report, path, quantized, read_scales(path))
+        ct_load_layout.check(report, path, qcfg, tensors, quantized)
     return report
 
 
