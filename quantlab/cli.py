@@ -125,6 +125,7 @@ def export_cmd(run_dir: Annotated[Path, typer.Argument(help="run directory (or i
     for fmt in dict.fromkeys(format_):
         report = export(canonical, root / fmt, fmt, max_shard_bytes=shard)
         typer.echo(f"ok: {fmt} → {root / fmt} ({len(report.checks)} checks passed)")
+        typer.echo(f"    load with {report.facts['engine']}")
 
 
 @app.command("inspect")

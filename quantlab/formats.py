@@ -24,3 +24,20 @@ HEAD_FORMATS = ("compressed-tensors", "gptq", *(f for f in FORMATS if f.startswi
 
 def keeps_folded_weights(formats: list[str]) -> bool:
     return any(fmt.removeprefix("gguf-") in K_QUANTS for fmt in formats if fmt.startswith("gguf-"))
+
+
+# What a deploying user loads each export family with, and the Python package (import name, pip
+# name) that loader needs; quantlab writes, validates and inspects every family without them.
+ENGINES: dict[str, tuple[str, tuple[str, str] | None]] = {
+    "awq": ("transformers + gptqmodel (AutoAWQ is archived), or vLLM", ("gptqmodel", "gptqmodel")),
+    "gptq": ("GPTQModel.load or transformers + gptqmodel, or vLLM", ("gptqmodel", "gptqmodel")),
+    "compressed-tensors": ("vLLM, or transformers + compressed-tensors", ("compressed_tensors", "compressed-tensors")),
+    "gguf": ("llama.cpp (llama-cli, llama-server) or llama-cpp-python", ("llama_cpp", "llama-cpp-python")),
+    "trtllm": ("TensorRT-LLM's trtllm-build, on an NVIDIA GPU", ("tensorrt_llm", "tensorrt-llm")),
+    "paddlenlp": ("PaddleNLP's predictor (paddlepaddle-gpu)", ("paddlenlp", "paddlenlp")),
+}
+
+
+def family_of(fmt: str) -> str:
+    """`gguf-q4_0` → `gguf`; other format names are their own family."""
+    return "gguf" if fmt.startswith("gguf") else fmt

@@ -201,12 +201,21 @@ def test_cli_inspect(exports, tmp_path):
     assert missing.exit_code == 2 and "no such file or directory" in missing.output
 
 
-def test_cli_export(tmp_path, tokenizer):
+def test_cli_export(tmp_path, tokenizer, monkeypatch):
+    """Exports (and inspects) without the engines' packages, naming the one a deploying user needs."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gptqmodel" else find_spec(name, *a))
     canonical = make_canonical(tmp_path / "run", tokenizer, "llama", SYM)
     runner = CliRunner()
     result = runner.invoke(app, ["export", str(canonical.parent), "--format", "gptq", "--format", "gguf-q8_0",
                                  "--max-shard-size", "50kB"])
     assert result.exit_code == 0, result.output
+    assert "load with GPTQModel.load or transformers + gptqmodel, or vLLM; not installed here: pip install gptqmodel" \
+        in result.output
+    inspected = runner.invoke(app, ["inspect", str(canonical.parent / "export" / "gptq")])
+    assert inspected.exit_code == 0 and "not installed here: pip install gptqmodel" in inspected.output
     assert (canonical.parent / "export" / "gptq" / "model.safetensors.index.json").is_file()
     assert list((canonical.parent / "export" / "gguf-q8_0").glob("*.gguf"))
     bad = runner.invoke(app, ["export", str(canonical.parent), "--format", "onnx"])

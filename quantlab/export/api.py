@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import inspect as _inspect
 from pathlib import Path
 
@@ -9,7 +10,7 @@ from quantlab.errors import UserError
 from quantlab.export.checks import Report
 from quantlab.export.registry import family_modules, module_for
 from quantlab.export.source import load_source, read_sidecar
-from quantlab.formats import FORMATS, HEAD_FORMATS
+from quantlab.formats import ENGINES, FORMATS, HEAD_FORMATS, family_of
 from quantlab.rundir import atomic_path
 
 
@@ -34,7 +35,16 @@ def export(canonical: Path, out: Path, fmt: str, max_shard_bytes: int | None = N
         report = module.validate(tmp, **extra)
         report.path = str(out)
         report.raise_if_invalid()
+    report.facts["engine"] = engine_note(family_of(fmt))
     return report
+
+
+def engine_note(family: str) -> str:
+    """What loads the family, and whether its package is installed in this environment."""
+    loader, package = ENGINES[family]
+    if package is None or importlib.util.find_spec(package[0]) is not None:
+        return loader
+    return f"{loader}; not installed here: pip install {package[1]}"
 
 
 def detect(path: Path) -> str:
@@ -59,6 +69,7 @@ def inspect(path: Path) -> Report:
     if family == "canonical":
         return _inspect_canonical(path)
     report = family_modules()[family].validate(path)
+    report.facts["engine"] = engine_note(family)
     side = read_sidecar(path) if path.is_dir() else None
     if side:
         report.facts.setdefault("exported from", side.get("source"))
