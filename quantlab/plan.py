@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from quantlab import stages
+from quantlab.admission import admit
 from quantlab.context import RunContext
 from quantlab.data.sources import check_source
 from quantlab.formats import keeps_folded_weights
@@ -38,6 +39,7 @@ def preflight(recipe: Recipe) -> None:
         check_source(recipe.evaluate.perplexity.dataset, "evaluate.perplexity.dataset")
     if recipe.verify and recipe.verify.dataset:
         check_source(recipe.verify.dataset, "verify.dataset")
+    admit(recipe)
 
 
 def build_plan(recipe: Recipe) -> list[Stage]:

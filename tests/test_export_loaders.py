@@ -102,13 +102,20 @@ def test_gguf_carries_a_quantized_lm_head(tmp_path, tokenizer):
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 def test_gguf_k_quant_through_llama_cpp_quantizer(tmp_path, tokenizer, model_type):
     """Q4_K_M: the folded weights as F16, re-quantized by llama.cpp (its tool environment); the
-    validator decodes every Linear back near the canonical weight and transformers loads it."""
+    validator decodes every Linear back near the canonical weight and transformers loads it. A
+    run that kept no float weights is refused rather than rounded twice."""
     pytest.importorskip("gguf")
     from transformers import AutoModelForCausalLM
 
+    from quantlab.errors import UserError
     from quantlab.export import gguf_file
 
-    canonical = make_canonical(tmp_path, tokenizer, model_type, SYM, hidden_size=256, intermediate_size=512)
+    dims = dict(hidden_size=256, intermediate_size=512)
+    codes_only = make_canonical(tmp_path / "codes", tokenizer, model_type, SYM, **dims)
+    with pytest.raises(UserError, match=r"^gguf-q4_k_m: llama.cpp's quantizer reads the float weights"):
+        api.export(codes_only, tmp_path / "refused", "gguf-q4_k_m")
+    assert not (tmp_path / "refused").exists()
+    canonical = make_canonical(tmp_path, tokenizer, model_type, SYM, folded=True, **dims)
     out = tmp_path / "gguf"
     report = api.export(canonical, out, "gguf-q4_k_m")
     assert report.ok, report.failures()

@@ -175,11 +175,24 @@ def expected_gguf_weight(qw, qtype: str) -> torch.Tensor:
     raise ValueError(qtype)
 
 
+@pytest.mark.parametrize("qtype,scheme", [("q4_0", ASYM), ("q4_1", WeightScheme(bits=4, symmetric=False, group_size=16)),
+                                          ("q4_1", WeightScheme(bits=8, symmetric=True, group_size=None))],
+                         ids=["q4_0-asym", "q4_1-g16", "q4_1-w8"])
+def test_gguf_q4_refuses_codes_it_cannot_hold(tmp_path, tokenizer, qtype, scheme):
+    """Q4_0 / Q4_1 would round such codes a second time onto a 4-bit grid: refused, nothing written."""
+    from quantlab.errors import UserError
+
+    canonical = make_canonical(tmp_path, tokenizer, "llama", scheme)
+    with pytest.raises(UserError, match=rf"^gguf-{qtype}: .* would be rounded a second time"):
+        api.export(canonical, tmp_path / "gguf", f"gguf-{qtype}")
+    assert not (tmp_path / "gguf").exists()
+
+
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 @pytest.mark.parametrize("qtype,scheme,encoding", [
     ("q4_0", SYM, "transcoded"), ("q4_1", ASYM, "transcoded"), ("q4_1", SYM, "transcoded"),
     ("q8_0", ASYM, "transcoded"), ("q8_0", WeightScheme(bits=8, symmetric=True, group_size=None), "transcoded"),
-    ("q4_0", ASYM, "requantized"), ("q8_0", WeightScheme(bits=8, symmetric=False, group_size=None), "requantized"),
+    ("q8_0", WeightScheme(bits=8, symmetric=False, group_size=None), "requantized"),
     ("f16", ASYM, "f16"),
 ], ids=lambda v: v.name if isinstance(v, WeightScheme) else v)
 def test_gguf_round_trip(tmp_path, tokenizer, model_type, qtype, scheme, encoding):

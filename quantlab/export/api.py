@@ -5,11 +5,13 @@ from __future__ import annotations
 import importlib.util
 import inspect as _inspect
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 from quantlab.errors import UserError
 from quantlab.export.checks import Report
 from quantlab.export.registry import family_modules, module_for
-from quantlab.export.source import load_source, read_sidecar
+from quantlab.export.source import Canonical, load_source, read_sidecar
 from quantlab.formats import ENGINES, FORMATS, HEAD_FORMATS, family_of
 from quantlab.rundir import atomic_path
 
@@ -17,15 +19,8 @@ from quantlab.rundir import atomic_path
 def export(canonical: Path, out: Path, fmt: str, max_shard_bytes: int | None = None) -> Report:
     """Write `out` atomically, then validate it before it replaces anything: an export that
     fails its own format's rules is a quantlab bug and never lands."""
-    if fmt not in FORMATS:
-        raise UserError(f"--format {fmt!r}: unknown; formats: {', '.join(FORMATS)}")
     src = load_source(canonical)
-    module, options = module_for(fmt)
-    if src.head_quantized and fmt not in HEAD_FORMATS:
-        raise UserError(f"{fmt}: this run quantized lm_head, which {fmt} keeps in float; export as "
-                        f"{', '.join(HEAD_FORMATS)}, or quantize without lm_head")
-    if not getattr(module, "CARRIES_ACTIVATIONS", False):  # the others check what they can carry
-        src.require_weight_only(fmt)
+    module, options = check_exportable(src, fmt)
     if max_shard_bytes is not None and fmt in ("awq", "gptq", "compressed-tensors", "paddlenlp"):
         options["max_shard_bytes"] = max_shard_bytes
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -45,6 +40,21 @@ def engine_note(family: str) -> str:
     if package is None or importlib.util.find_spec(package[0]) is not None:
         return loader
     return f"{loader}; not installed here: pip install {package[1]}"
+
+
+def check_exportable(src: Canonical, fmt: str) -> tuple[ModuleType, dict[str, Any]]:
+    """Raise the one-line reason `fmt` cannot hold `src` (a run's canonical form, or the planned
+    one quantlab.admission builds from a recipe); returns the format's module and options."""
+    if fmt not in FORMATS:
+        raise UserError(f"--format {fmt!r}: unknown; formats: {', '.join(FORMATS)}")
+    module, options = module_for(fmt)
+    if src.head_quantized and fmt not in HEAD_FORMATS:
+        raise UserError(f"{fmt}: this run quantized lm_head, which {fmt} keeps in float; export as "
+                        f"{', '.join(HEAD_FORMATS)}, or quantize without lm_head")
+    if not getattr(module, "CARRIES_ACTIVATIONS", False):  # the others check what they can carry
+        src.require_weight_only(fmt)
+    module.check_exportable(src, **options)
+    return module, options
 
 
 def detect(path: Path) -> str:

@@ -5,10 +5,12 @@ folded in) are re-encoded per 32-column block:
   * transcoded, exact up to fp16 scale rounding, when the canonical codes fit the block type
     and every 32-column block lies inside one canonical group: Q8_0 stores `q − z` as int8 with
     `d = s`; Q4_0 stores `q − z + 8` with `d = s`; Q4_1 stores `q` with `d = s, m = −z·s`;
-  * otherwise requantized from the dequantized canonical weight with `gguf.quants.quantize`
-    (lossy: a second rounding). F16 is always the dequantized weight in fp16.
-K-quants (Q4_K_M, Q5_K_M, Q6_K) have no exact transcoding: the folded canonical weights are
-written as F16 and handed to llama.cpp's own quantizer (llama-cpp-python, in its tool
+  * otherwise (Q8_0 of an asymmetric 8-bit or FP8 scheme) requantized from the dequantized
+    canonical weight with `gguf.quants.quantize`: an 8-bit grid over weights of at most 8 bits.
+    Q4_0 / Q4_1 of codes they cannot hold are refused (`check_exportable`): a second rounding
+    onto a 4-bit grid. F16 is always the dequantized weight in fp16.
+K-quants (Q4_K_M, Q5_K_M, Q6_K) have no exact transcoding: the folded canonical weights (kept
+when the recipe lists the K-quant) are written as F16 and handed to llama.cpp's own quantizer (llama-cpp-python, in its tool
 environment), so the file carries llama.cpp's K-quant mix of the weights quantlab computed.
 Float 2-D tensors (embedding, head, Linears the recipe left in float) are F16 in an f16 file
 and Q8_0 otherwise; 1-D tensors (norms, biases) are F32. llama-arch Q and K rows are
@@ -33,6 +35,7 @@ from quantlab.export.source import Canonical, head_dim, linear_shapes, read_side
 from quantlab.formats import K_QUANTS  # through llama.cpp's quantizer
 from quantlab.models.arch import ARCH_SPECS
 from quantlab.quant.primitives import QuantizedWeight
+from quantlab.quant.scheme import WeightScheme
 
 NAME = "gguf"
 BLOCK = 32
@@ -229,23 +232,50 @@ def gguf_name(tmap: Any, hf_name: str) -> str:
     return name
 
 
-def write(src: Canonical, tmp: Path, final: Path, qtype: str = "q8_0") -> None:
+def carries_codes(scheme: WeightScheme, act_order: bool, qtype: str) -> bool:
+    """Whether Q4_0 / Q4_1 blocks hold a scheme's codes exactly: integer codes of at most 4
+    bits (Q4_0: symmetric, its zero at 8) whose groups are whole 32-column blocks."""
+    blocks_fit = not act_order and (scheme.group_size is None or scheme.group_size % BLOCK == 0)
+    return (scheme.type == "int" and scheme.bits <= 4 and blocks_fit
+            and (qtype == "q4_1" or scheme.symmetric))
+
+
+def check_exportable(src: Canonical, qtype: str = "q8_0") -> None:
+    """Refuse what would round the run's weights a second time onto a coarser grid: Q4_0 / Q4_1
+    of codes they cannot hold, a K-quant without the float weights before rounding. F16 and
+    Q8_0 re-encode any scheme of at most 8 bits on a finer grid and are always taken."""
     if src.model_type not in ARCHS:
         raise UserError(f"{NAME}: model_type {src.model_type!r} is not exported; supported: {', '.join(ARCHS)}")
     choices = (*_types(), *K_QUANTS)
     if qtype not in choices:
         raise UserError(f"{NAME}: tensor type {qtype!r}; choose one of {', '.join(choices)}")
+    if qtype in K_QUANTS and src.quantized and not _has_folded(src):
+        raise UserError(f"gguf-{qtype}: llama.cpp's quantizer reads the float weights before rounding, which this "
+                        f"run did not keep; list gguf-{qtype} in the recipe's export and rerun it (calibration is "
+                        "reused), or export gguf-q8_0 / gguf-q4_0 / gguf-q4_1, which carry the codes")
+    if qtype in ("q4_0", "q4_1"):
+        for scheme in {qw.scheme for qw in src.quantized.values()}:
+            if not carries_codes(scheme, src.act_order, qtype):
+                what = "symmetric int codes of ≤4 bits" if qtype == "q4_0" else "int codes of ≤4 bits"
+                raise UserError(f"gguf-{qtype}: {qtype.upper()} holds {what} in whole 32-column groups; "
+                                f"{scheme.name}{' with act-order' if src.act_order else ''} would be rounded a "
+                                "second time (export gguf-q8_0, "
+                                f"{'gguf-q4_1 for asymmetric codes, ' if qtype == 'q4_0' else ''}or quantize "
+                                "with a group size that is a multiple of 32 and no act-order)")
+
+
+def write(src: Canonical, tmp: Path, final: Path, qtype: str = "q8_0") -> None:
+    check_exportable(src, qtype)
     tmp.mkdir(parents=True)
     fname = f"model-{qtype.upper()}.gguf"
     if qtype in K_QUANTS:
         from quantlab.toolenv import llama_quantize
 
-        folded = _k_quant_input(src, qtype)
         f16 = tmp / "model-F16.partial.gguf"
-        modules = _write_file(src, f16, "f16", folded)
+        modules = _write_file(src, f16, "f16", folded=True)
         llama_quantize(f16, tmp / fname, qtype)
         f16.unlink()
-        how = "llama.cpp quantizer of the " + ("folded float weights" if folded else "dequantized codes")
+        how = "llama.cpp quantizer of the folded float weights"
         modules = {m: {**info, "type": qtype.upper(), "encoding": how} for m, info in modules.items()}
     else:
         modules = _write_file(src, tmp / fname, qtype)
@@ -253,27 +283,13 @@ def write(src: Canonical, tmp: Path, final: Path, qtype: str = "q8_0") -> None:
                   extra={"file": fname, "permuted_qk": ARCHS[src.model_type]})
 
 
-def _k_quant_input(src: Canonical, qtype: str) -> bool:
-    """Whether llama.cpp quantizes the run's folded float weights (kept when the recipe asked for
-    a K-quant: AWQ / SmoothQuant folds and clipping carry over, GPTQ's error compensation does
-    not) or, without them, the dequantized codes — a second rounding of a 4-bit run: on
-    SmolLM2 an AWQ+GPTQ g32 run's Q4_K_M scored 31.31 from the kept weights and 34.36 from the
-    codes, against llama.cpp's Q4_K_M of the float model at 30.67
-    (benchmarks/results/export_engines_cpu.md)."""
-    if _has_folded(src):
-        return True
-    low = sorted({qw.scheme.bits for qw in src.quantized.values() if qw.scheme.bits < 8})
-    if low:
-        from quantlab.progress import console
-
-        console.print(f"{NAME}: {qtype} re-quantizes this run's {'/'.join(map(str, low))}-bit codes (a second "
-                      f"rounding); list {qtype} in the recipe's export to keep the float weights, or use "
-                      "gguf-q4_0 / gguf-q4_1, which carry 4-bit codes exactly")
-    return False
-
-
 def _has_folded(src: Canonical) -> bool:
-    return bool(src.quantized) and set(src.quantized) <= set(src.folded)
+    """The run kept the float weights before rounding (the recipe listed a K-quant): AWQ /
+    SmoothQuant folds and clipping carry over into llama.cpp's K-quant, GPTQ's error
+    compensation does not. Re-quantizing the codes instead rounds twice: on SmolLM2 an
+    AWQ+GPTQ g32 run's Q4_K_M scored 31.31 from the kept weights and 34.36 from the codes,
+    against llama.cpp's Q4_K_M of the float model at 30.67 (benchmarks/results/export_engines_cpu.md)."""
+    return set(src.quantized) <= set(src.folded)
 
 
 def _write_file(src: Canonical, file: Path, qtype: str, folded: bool = False) -> dict[str, Any]:

@@ -1,0 +1,133 @@
+"""Which export formats a recipe can deliver, decided before anything is quantized.
+
+The exporters' own checks (`quantlab.export.api.check_exportable`) run on a *planned* canonical
+form: the Linears the model config implies, each with the scheme of the last weight stage that
+does not ignore it, codes as meta tensors (shapes, no data), g_idx permuted where a GPTQ stage
+orders columns, and the activation / KV-cache schemes of the act_ranges stage. So a recipe that
+lists a format it cannot produce is refused by `quantlab validate` and at the start of
+`quantlab run` with the exporter's own one-line reason, instead of after quantizing; the same
+function tells the export matrix (benchmarks/export_matrix.py) which formats a recipe allows.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quantlab.errors import UserError
+from quantlab.export.source import Canonical, linear_shapes
+from quantlab.formats import FORMATS, keeps_folded_weights
+from quantlab.models.arch import ARCH_SPECS
+from quantlab.quant.primitives import QuantizedWeight, default_g_idx
+from quantlab.quant.scheme import WeightScheme
+from quantlab.recipe import WEIGHT_KINDS, Recipe
+
+
+def refusal(src: Canonical, fmt: str) -> str | None:
+    """The exporter's reason for refusing `fmt` for `src`, or None when it takes it."""
+    from quantlab.export.api import check_exportable
+
+    try:
+        check_exportable(src, fmt)
+    except UserError as exc:
+        return str(exc)
+    return None
+
+
+def allowed_formats(recipe: Recipe, config: dict[str, Any], model_dir: Path) -> dict[str, str | None]:
+    """Every export format → None (allowed) or the reason it is refused for this recipe."""
+    src = planned_canonical(recipe, config, model_dir)
+    return {fmt: refusal(src, fmt) for fmt in FORMATS}
+
+
+def admit(recipe: Recipe) -> None:
+    """Refuse the recipe's first `export:` entry that its run could not be exported to."""
+    located = model_config(recipe) if recipe.export else None
+    if located is None:
+        return
+    src = planned_canonical(recipe, *located)
+    for i, fmt in enumerate(recipe.export):
+        why = refusal(src, fmt)
+        if why:
+            raise UserError(f"export[{i}]: {why}")
+
+
+def model_config(recipe: Recipe) -> tuple[dict[str, Any], Path] | None:
+    """The model's config.json and directory, where they are on disk (a built-in model is
+    materialised, as the run would); None for a model that only a download would reveal."""
+    from quantlab.models.builtin import BUILTIN_MODELS, float_checkpoint
+
+    model_id = recipe.model.id
+    if model_id in BUILTIN_MODELS:
+        path = float_checkpoint(model_id)
+    else:
+        path = Path(model_id).expanduser()
+    config = path / "config.json"
+    if not config.is_file() or json.loads(config.read_text()).get("model_type") not in ARCH_SPECS:
+        return None
+    return json.loads(config.read_text()), path
+
+
+def planned_canonical(recipe: Recipe, config: dict[str, Any], model_dir: Path) -> Canonical:
+    spec = ARCH_SPECS[config["model_type"]]
+    shapes = linear_shapes(config, spec)
+    names = {f"{spec.layers}.{i}.{lin}": shapes[lin]
+             for i in range(int(config["num_hidden_layers"])) for lin in spec.linears}
+    if _head_stage(recipe):
+        names["lm_head"] = (int(config["vocab_size"]), int(config["hidden_size"]))
+    quantized: dict[str, QuantizedWeight] = {}
+    for entry in recipe.stages:
+        if entry.kind not in WEIGHT_KINDS:
+            continue
+        stage = entry.config
+        act_order = entry.kind == "gptq" and stage.act_order and not stage.static_groups
+        for name, shape in names.items():
+            if name == "lm_head" and not getattr(stage, "lm_head", False):
+                continue
+            if not _ignored(name, stage.ignore):
+                quantized[name] = _planned_weight(shape, stage.weights, act_order)
+    planned = Canonical(model_dir, config, _planned_quant_config(recipe, names, quantized), {}, quantized)
+    # the float weights before rounding, which the quantize stage keeps for a listed K-quant
+    planned.__dict__["folded"] = ({name: qw.codes for name, qw in quantized.items()}
+                                  if keeps_folded_weights(recipe.export) else {})
+    return planned
+
+
+def _head_stage(recipe: Recipe) -> bool:
+    return any(getattr(e.config, "lm_head", False) for e in recipe.stages)
+
+
+def _ignored(name: str, patterns: list[str]) -> bool:
+    from quantlab.engine.sequential import is_ignored
+
+    return is_ignored(name, patterns)
+
+
+def _planned_weight(shape: tuple[int, int], scheme: WeightScheme, act_order: bool) -> QuantizedWeight:
+    out_f, in_f = shape
+    groups = 1 if scheme.group_size is None or scheme.per_tensor else -(-in_f // scheme.group_size)
+    g_idx = default_g_idx(in_f, scheme.group_size)
+    if act_order and scheme.group_size is not None:
+        g_idx = g_idx.flip(0)  # any non-contiguous order: what the exporters test for
+    meta = {"device": "meta"}
+    return QuantizedWeight(codes=torch.empty(out_f, in_f, dtype=torch.uint8, **meta),
+                           scales=torch.empty(out_f, groups, **meta),
+                           zeros=torch.empty(out_f, groups, dtype=torch.uint8, **meta), g_idx=g_idx, scheme=scheme)
+
+
+def _planned_quant_config(recipe: Recipe, names: dict[str, tuple[int, int]],
+                          quantized: dict[str, QuantizedWeight]) -> dict[str, Any]:
+    ranges = next((e.config for e in reversed(recipe.stages) if e.kind == "act_ranges"), None)
+    out: dict[str, Any] = {"stages": [e.dump() for e in recipe.stages], "source_model": recipe.model.id}
+    if ranges is None:
+        return out
+    if ranges.activations is not None:
+        mods = [n for n in names if n != "lm_head" and not _ignored(n, ranges.ignore)]
+        out["activations"] = {**ranges.activations.model_dump(), "modules": mods}
+    if ranges.kv_cache is not None:
+        layers = sorted({n.rsplit(".", 2)[0] for n in names if n != "lm_head"})
+        out["kv_cache"] = {**ranges.kv_cache.model_dump(), "modules": [f"{layer}.self_attn" for layer in layers]}
+    return out
