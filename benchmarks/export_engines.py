@@ -65,13 +65,18 @@ def run_case(case: Case, args: argparse.Namespace) -> Path:
             f"evaluate.perplexity.dataset.source={DATA / 'wiki.test.raw'}", f"export=[{','.join(case.exports)}]"]
     if args.calib_samples:
         sets.append(f"calibration.num_samples={args.calib_samples}")
-    cmd = [sys.executable, "-m", "quantlab", "run", str(REPO / "recipes" / f"{case.recipe}.yaml")]
+    say(f"{case.id}: quantlab run {case.recipe}")
+    return quantlab_run(case.recipe, run_dir, sets)
+
+
+def quantlab_run(recipe: str, run_dir: Path, sets: list[str]) -> Path:
+    """`python -m quantlab run recipes/<recipe>.yaml --set ...` (the sets name `run_dir`)."""
+    cmd = [sys.executable, "-m", "quantlab", "run", str(REPO / "recipes" / f"{recipe}.yaml")]
     for s in sets:
         cmd += ["--set", s]
-    say(f"{case.id}: quantlab run {case.recipe}")
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     if proc.returncode != 0:
-        raise RuntimeError(f"{case.id}: quantlab run failed: {proc.stderr[-2000:]}")
+        raise RuntimeError(f"{recipe}: quantlab run failed: {proc.stderr[-2000:]}")
     return run_dir
 
 

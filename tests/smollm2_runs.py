@@ -77,7 +77,7 @@ class Case:
 
 CASES = {c.id: c for c in [
     # the quickstart recipe as shipped; W8 beside it is the nearly lossless reference
-    Case("rtn-w4", "smollm2_rtn_w4a16", shipped=True),
+    Case("rtn-w4", "smollm2_rtn_w4a16", exports=("compressed-tensors",), shipped=True),
     Case("rtn-w8-per-channel", "smollm2_rtn_w8a16", exports=("gguf-q8_0",), baseline=True),
     Case("awq-gptq-w4-g32-sym", "smollm2_gguf_q4_0", exports=("awq", "gptq", "compressed-tensors", "gguf-q4_0"),
          verify_windows=4, calib_samples=8),
@@ -118,12 +118,17 @@ class Run:
 def cli(case: Case, sets: list[str], cwd: Path) -> subprocess.CompletedProcess:
     """`python -m quantlab run` on the case's shipped recipe from `cwd` (as a user would); one
     thread, through the environment `SmolLM2Runs.start` sets."""
-    cmd = [sys.executable, "-m", "quantlab", "run", str(REPO / "recipes" / f"{case.recipe}.yaml")]
+    args = ["run", str(REPO / "recipes" / f"{case.recipe}.yaml")]
     for s in sets:
-        cmd += ["--set", s]
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=3600)
+        args += ["--set", s]
+    return quantlab(args, cwd)
+
+
+def quantlab(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "quantlab", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=3600)
     if proc.returncode != 0:
-        raise RuntimeError(f"{case.id}: quantlab run {' '.join(sets)} failed:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"quantlab {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
     return proc
 
 
@@ -162,6 +167,9 @@ class SmolLM2Runs:
         run_dir = self.root / case.id / "run"
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         run = Run(case, run_dir, cli(case, case.cli_sets(run_dir), run_dir.parent))
+        if case.shipped and case.exports:  # as a user exports a finished run
+            formats = [a for fmt in case.exports for a in ("--format", fmt)]
+            quantlab(["export", str(run_dir), *formats], run_dir.parent)
         if case.verify_windows:
             run.verify = verify_summary(run_dir)
         if case.exports:

@@ -307,3 +307,17 @@ def test_gptq_loads_with_gptqmodel(tmp_path, tokenizer, case):
     api.export(canonical, out, "gptq")
     # the default CPU kernel (aten int4pack) needs G | in; the plain torch kernel takes tails
     assert_close_fp16(gptqmodel_logits(out, backend="GPTQ_TORCH" if case == "tail" else None), canonical)
+
+
+def test_compressed_tensors_exports_without_compressed_tensors_installed(tmp_path, tokenizer, monkeypatch):
+    """quantlab writes and validates the layout itself; only the load-layout rule needs the
+    package, and it says which one a user needs."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "compressed_tensors" else find_spec(name, *a))
+    report = api.export(make_canonical(tmp_path, tokenizer, "llama", ASYM), tmp_path / "ct", "compressed-tensors")
+    assert report.ok and "transformers load layout" not in report.rule_counts()
+    assert any("pip install compressed-tensors" in why for why in report.facts["skipped"])
+    assert report.facts["engine"].endswith("not installed here: pip install compressed-tensors")

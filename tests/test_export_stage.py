@@ -69,3 +69,30 @@ def test_no_export_by_default(tiny_model_dir, tmp_path):
 def test_unknown_format_is_a_recipe_error(tiny_model_dir, tmp_path):
     with pytest.raises(UserError, match=r"export\[1\]: got 'onnx'.*'awq'"):
         validate_recipe(raw(tiny_model_dir, tmp_path, ["gptq", "onnx"]))
+
+
+def test_a_format_the_run_cannot_deliver_is_refused_before_anything_runs(tiny_model_dir, tmp_path):
+    """`quantlab validate` and `quantlab run` ask each listed exporter about the canonical form the
+    recipe will produce: one line naming the entry and the exporter's reason, exit 2, no run dir."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from quantlab.cli import app
+
+    run_dir = tmp_path / "run"
+    spec = raw(tiny_model_dir, run_dir, ["gptq", "gguf-q4_0"])
+    spec["stages"][0]["rtn"]["weights"]["symmetric"] = False
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    runner = CliRunner()
+    for command in ("validate", "run"):
+        result = runner.invoke(app, [command, str(path)])
+        assert result.exit_code == 2, result.output
+        assert result.output.strip().splitlines() == [
+            "error: export[1]: gguf-q4_0: Q4_0 holds symmetric int codes of ≤4 bits in whole 32-column groups; "
+            "W4A16_ASYM_g32 would be rounded a second time (export gguf-q8_0, gguf-q4_1 for asymmetric codes, "
+            "or quantize with a group size that is a multiple of 32 and no act-order)"]
+    assert not run_dir.exists()
+    spec["export"] = ["gptq", "gguf-q4_1"]
+    path.write_text(yaml.safe_dump(spec))
+    assert runner.invoke(app, ["validate", str(path)]).exit_code == 0

@@ -17,6 +17,7 @@ package a user needs to load the export in transformers.
 
 from __future__ import annotations
 
+import importlib.util
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -32,13 +33,12 @@ RULE = "transformers load layout"
 def check(report: Report, path: Path, qcfg: dict[str, Any], tensors: dict[str, torch.Tensor],
           quantized: dict[str, QuantizedWeight]) -> None:
     """`quantized`: every Linear as the format's reader decodes it (the weights the export means)."""
-    try:
-        from transformers import CompressedTensorsConfig
-        from compressed_tensors.compressors import BaseCompressor  # noqa: F401  (presence)
-    except ImportError:
+    if importlib.util.find_spec("compressed_tensors") is None:
         report.skip(RULE, "compressed-tensors is not installed: `pip install compressed-tensors` to load this "
                           "export in transformers (and to check it against that loader here)")
         return
+    from transformers import CompressedTensorsConfig
+
     hf_config = CompressedTensorsConfig.from_dict(dict(qcfg))
     versions = f"transformers {version('transformers')} + compressed-tensors {version('compressed-tensors')}"
     report.facts["transformers route"] = f"{'dense (dequantize at load)' if hf_config.dequantize else 'compressed'}"
