@@ -77,11 +77,24 @@ def cells(name: str, run_dir: Path) -> list[dict[str, Any]]:
             rows.append({**row, "status": "validated", "engine": None, "bytes": export_bytes(out)})
             continue
         say(f"{name}: scoring {fmt}")
-        result = engine_check.score(out, windows)
+        result = score(out, windows, fmt)
         delta = delta_pct(result["perplexity"], ppl)
         rows.append({**row, **result, "status": "ok" if abs(delta) <= TOLERANCE_PCT else "off",
                      "delta_vs_fake_quant_pct": delta, "bytes": export_bytes(out)})
     return rows
+
+
+def score(out: Path, windows: Any, fmt: str) -> dict[str, Any]:
+    """The engine's score; GPTQ falls back to gptqmodel's plain torch kernel where its default CPU
+    kernel (aten int4pack) refuses a group size that does not divide the inputs, as a user would."""
+    try:
+        return engine_check.score(out, windows)
+    except RuntimeError as exc:
+        if fmt != "gptq":
+            raise
+        failure = str(exc).strip().splitlines()[-1]
+        return {**engine_check.score(out, windows, backend="GPTQ_TORCH"), "backend": "GPTQ_TORCH",
+                "default_backend_failure": failure}
 
 
 def cell_text(row: dict[str, Any]) -> str:
@@ -89,7 +102,8 @@ def cell_text(row: dict[str, Any]) -> str:
         return row["status"]
     if row["status"] == "validated":
         return "validated, no engine"
-    return f"{row['delta_vs_fake_quant_pct']:+.2f} %" + ("" if row["status"] == "ok" else " ✗")
+    mark = "" if row["status"] == "ok" else " ✗"
+    return f"{row['delta_vs_fake_quant_pct']:+.2f} %{mark}" + (" ᵀ" if row.get("backend") else "")
 
 
 def markdown(payload: dict[str, Any]) -> str:
@@ -100,7 +114,8 @@ def markdown(payload: dict[str, Any]) -> str:
              "wiki.test.raw", "",
              f"CPU: {payload['machine']['cpu']}. Command: `{payload['command']}`", "",
              "Cell: engine perplexity vs the run's fake-quant perplexity (Δ), `refused` at validation (reason "
-             "below), or `validated, no engine` (TensorRT-LLM / PaddleNLP: no CPU engine).", "",
+             "below), or `validated, no engine` (TensorRT-LLM / PaddleNLP: no CPU engine). ᵀ: gptqmodel's "
+             "default CPU kernel refused the export (reason below); scored with its GPTQ_TORCH kernel.", "",
              "| recipe | fake-quant ppl | " + " | ".join(FORMATS) + " |",
              "|---|---:|" + "---:|" * len(FORMATS)]
     for name in names:
@@ -110,6 +125,8 @@ def markdown(payload: dict[str, Any]) -> str:
     for r in rows:
         if "reason" in r:
             lines.append(f"- {r['recipe']} × {r['export']}: {r['reason']}")
+        if "default_backend_failure" in r:
+            lines.append(f"- {r['recipe']} × {r['export']} ᵀ: gptqmodel AUTO: {r['default_backend_failure']}")
     lines += ["", "Summary: `" + json.dumps(payload["summary"]) + "`", ""]
     return "\n".join(lines)
 

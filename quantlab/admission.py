@@ -43,9 +43,12 @@ def allowed_formats(recipe: Recipe, config: dict[str, Any], model_dir: Path) -> 
     return {fmt: refusal(src, fmt) for fmt in FORMATS}
 
 
-def admit(recipe: Recipe) -> None:
-    """Refuse the recipe's first `export:` entry that its run could not be exported to."""
-    located = model_config(recipe) if recipe.export else None
+def admit(recipe: Recipe, model_dir: Path | None = None) -> None:
+    """Refuse the recipe's first `export:` entry that its run could not be exported to.
+    `model_dir`: the resolved model (a run passes it once the model is on disk); without it the
+    model's config is looked up without downloading anything, and the check is skipped for a
+    model that is not on disk yet."""
+    located = (model_config(recipe, model_dir) if model_dir else model_config(recipe)) if recipe.export else None
     if located is None:
         return
     src = planned_canonical(recipe, *located)
@@ -55,14 +58,16 @@ def admit(recipe: Recipe) -> None:
             raise UserError(f"export[{i}]: {why}")
 
 
-def model_config(recipe: Recipe) -> tuple[dict[str, Any], Path] | None:
-    """The model's config.json and directory, where they are on disk (a built-in model is
-    materialised, as the run would); None for a model that only a download would reveal."""
-    from quantlab.models.builtin import BUILTIN_MODELS, float_checkpoint
+def model_config(recipe: Recipe, model_dir: Path | None = None) -> tuple[dict[str, Any], Path] | None:
+    """The model's config.json and directory where they are on disk (a built-in model's float
+    copy once made); None for a model that only a download would reveal."""
+    from quantlab.models.builtin import BUILTIN_MODELS, cache_root
 
     model_id = recipe.model.id
-    if model_id in BUILTIN_MODELS:
-        path = float_checkpoint(model_id)
+    if model_dir is not None:
+        path = model_dir
+    elif model_id in BUILTIN_MODELS:
+        path = cache_root() / "models" / model_id
     else:
         path = Path(model_id).expanduser()
     config = path / "config.json"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from quantlab.admission import admit
 from quantlab.context import RunContext, pick_device
 from quantlab.plan import build_plan, preflight
 from quantlab.progress import console
@@ -26,6 +27,7 @@ def run_recipe(recipe: Recipe, run_dir: Path | None = None) -> RunDir:
         write_text_atomic(run.path / "recipe.resolved.yaml", dump_recipe(recipe))
         ctx = RunContext(recipe, run, device)
         run.manifest["model"] = {"id": recipe.model.id, **ctx.resolved.describe()}
+        admit(recipe, Path(ctx.resolved.location))  # preflight skips a model not yet on disk
         for stage in plan:
             if run.is_done(stage.name, stage.key):
                 console.print(f"[dim]skip {stage.name}: done (key {stage.key})[/dim]")
