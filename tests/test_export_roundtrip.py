@@ -175,14 +175,16 @@ def expected_gguf_weight(qw, qtype: str) -> torch.Tensor:
     raise ValueError(qtype)
 
 
-@pytest.mark.parametrize("qtype,scheme", [("q4_0", ASYM), ("q4_1", WeightScheme(bits=4, symmetric=False, group_size=16)),
-                                          ("q4_1", WeightScheme(bits=8, symmetric=True, group_size=None))],
-                         ids=["q4_0-asym", "q4_1-g16", "q4_1-w8"])
-def test_gguf_q4_refuses_codes_it_cannot_hold(tmp_path, tokenizer, qtype, scheme):
-    """Q4_0 / Q4_1 would round such codes a second time onto a 4-bit grid: refused, nothing written."""
+@pytest.mark.parametrize("qtype,scheme,act_order", [
+    ("q4_0", ASYM, False), ("q4_1", WeightScheme(bits=4, symmetric=False, group_size=16), False),
+    ("q4_1", WeightScheme(bits=8, symmetric=True, group_size=None), False),
+    ("q8_0", WeightScheme(bits=8, symmetric=False, group_size=None), False), ("q8_0", SYM, True),
+], ids=["q4_0-asym", "q4_1-g16", "q4_1-w8", "q8_0-w8-asym", "q8_0-act-order"])
+def test_gguf_refuses_codes_a_block_type_cannot_hold(tmp_path, tokenizer, qtype, scheme, act_order):
+    """Such codes would be rounded a second time: refused, nothing written."""
     from quantlab.errors import UserError
 
-    canonical = make_canonical(tmp_path, tokenizer, "llama", scheme)
+    canonical = make_canonical(tmp_path, tokenizer, "llama", scheme, act_order=act_order)
     with pytest.raises(UserError, match=rf"^gguf-{qtype}: .* would be rounded a second time"):
         api.export(canonical, tmp_path / "gguf", f"gguf-{qtype}")
     assert not (tmp_path / "gguf").exists()
@@ -192,7 +194,6 @@ def test_gguf_q4_refuses_codes_it_cannot_hold(tmp_path, tokenizer, qtype, scheme
 @pytest.mark.parametrize("qtype,scheme,encoding", [
     ("q4_0", SYM, "transcoded"), ("q4_1", ASYM, "transcoded"), ("q4_1", SYM, "transcoded"),
     ("q8_0", ASYM, "transcoded"), ("q8_0", WeightScheme(bits=8, symmetric=True, group_size=None), "transcoded"),
-    ("q8_0", WeightScheme(bits=8, symmetric=False, group_size=None), "requantized"),
     ("f16", ASYM, "f16"),
 ], ids=lambda v: v.name if isinstance(v, WeightScheme) else v)
 def test_gguf_round_trip(tmp_path, tokenizer, model_type, qtype, scheme, encoding):

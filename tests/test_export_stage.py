@@ -90,8 +90,8 @@ def test_a_format_the_run_cannot_deliver_is_refused_before_anything_runs(tiny_mo
         assert result.exit_code == 2, result.output
         assert result.output.strip().splitlines() == [
             "error: export[1]: gguf-q4_0: Q4_0 holds symmetric int codes of ≤4 bits in whole 32-column groups; "
-            "W4A16_ASYM_g32 would be rounded a second time (export gguf-q8_0, gguf-q4_1 for asymmetric codes, "
-            "or quantize with a group size that is a multiple of 32 and no act-order)"]
+            "W4A16_ASYM_g32 would be rounded a second time (export gguf-q8_0 or gguf-q4_1 or gguf-f16, or "
+            "quantize with codes and groups it holds)"]
     assert not run_dir.exists()
     spec["export"] = ["gptq", "gguf-q4_1"]
     path.write_text(yaml.safe_dump(spec))

@@ -17,7 +17,9 @@ package a user needs to load the export in transformers.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -91,8 +93,9 @@ def _check_compressed_route(report: Report, path: Path, hf_config: Any, tensors:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     compressor = ModelCompressor.from_compression_config(hf_config)
-    apply_quantization_config(model, compressor.quantization_config, run_compressed=False)
-    compressor.compress_model(model)
+    with contextlib.redirect_stderr(io.StringIO()):  # compressed-tensors' progress bars
+        apply_quantization_config(model, compressor.quantization_config, run_compressed=False)
+        compressor.compress_model(model)
     built = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     for name in quantized:
         stored = _module_tensors(tensors, name)

@@ -5,10 +5,10 @@ folded in) are re-encoded per 32-column block:
   * transcoded, exact up to fp16 scale rounding, when the canonical codes fit the block type
     and every 32-column block lies inside one canonical group: Q8_0 stores `q − z` as int8 with
     `d = s`; Q4_0 stores `q − z + 8` with `d = s`; Q4_1 stores `q` with `d = s, m = −z·s`;
-  * otherwise (Q8_0 of an asymmetric 8-bit or FP8 scheme) requantized from the dequantized
-    canonical weight with `gguf.quants.quantize`: an 8-bit grid over weights of at most 8 bits.
-    Q4_0 / Q4_1 of codes they cannot hold are refused (`check_exportable`): a second rounding
-    onto a 4-bit grid. F16 is always the dequantized weight in fp16.
+  * a scheme a block type cannot hold (act-order groups, asymmetric 8-bit codes in Q8_0, more
+    than 4 bits or, for Q4_0, asymmetric codes in a 4-bit block) is refused
+    (`check_exportable`): it would be rounded a second time. F16 is always the dequantized
+    weight in fp16.
 K-quants (Q4_K_M, Q5_K_M, Q6_K) have no exact transcoding: the folded canonical weights (kept
 when the recipe lists the K-quant) are written as F16 and handed to llama.cpp's own quantizer (llama-cpp-python, in its tool
 environment), so the file carries llama.cpp's K-quant mix of the weights quantlab computed.
@@ -121,8 +121,10 @@ def _nibbles(v: torch.Tensor) -> np.ndarray:
     return (v[..., :16] | (v[..., 16:] << 4)).numpy()
 
 
-def encode(weight: np.ndarray, qtype_name: str, float_tensor: bool) -> tuple[np.ndarray, Any]:
-    """Requantize a float `[rows, cols]` array; returns (data, ggml type)."""
+def encode_float(weight: np.ndarray, qtype_name: str) -> tuple[np.ndarray, Any]:
+    """A tensor the run left float (embedding, head, ignored Linears, norms) in a `qtype_name`
+    file, as llama.cpp's converter writes it: 1-D as F32, 2-D as F16 in an F16 file and Q8_0
+    otherwise (8 bits in a 4-bit file too); returns (data, ggml type)."""
     import gguf
 
     Q = gguf.GGMLQuantizationType
@@ -130,10 +132,7 @@ def encode(weight: np.ndarray, qtype_name: str, float_tensor: bool) -> tuple[np.
         return weight.astype(np.float32), Q.F32
     if qtype_name == "f16" or weight.shape[-1] % BLOCK:
         return weight.astype(np.float16), Q.F16
-    qtype = _types()[qtype_name][0]
-    if float_tensor and qtype in (Q.Q4_0, Q.Q4_1):
-        qtype = Q.Q8_0  # embedding / head / ignored Linears: keep them at 8 bits
-    return gguf.quants.quantize(weight.astype(np.float32), qtype), qtype
+    return gguf.quants.quantize(weight.astype(np.float32), Q.Q8_0), Q.Q8_0
 
 
 # ----------------------------------------------------------------------------- writer
@@ -232,18 +231,26 @@ def gguf_name(tmap: Any, hf_name: str) -> str:
     return name
 
 
+CARRIES = {"q8_0": "int codes of ≤7 bits, or symmetric 8-bit ones", "q4_0": "symmetric int codes of ≤4 bits",
+           "q4_1": "int codes of ≤4 bits"}
+
+
 def carries_codes(scheme: WeightScheme, act_order: bool, qtype: str) -> bool:
-    """Whether Q4_0 / Q4_1 blocks hold a scheme's codes exactly: integer codes of at most 4
-    bits (Q4_0: symmetric, its zero at 8) whose groups are whole 32-column blocks."""
+    """Whether a block type holds a scheme's codes exactly (`transcode`): groups that are whole
+    32-column blocks (no act-order), and codes whose `q − z` fits the block (Q8_0: int8, Q4_0:
+    the nibble around 8) or whose `q` does (Q4_1, with its own minimum)."""
     blocks_fit = not act_order and (scheme.group_size is None or scheme.group_size % BLOCK == 0)
-    return (scheme.type == "int" and scheme.bits <= 4 and blocks_fit
-            and (qtype == "q4_1" or scheme.symmetric))
+    if scheme.type != "int" or not blocks_fit:
+        return False
+    if qtype == "q8_0":
+        return scheme.bits <= 7 or scheme.symmetric
+    return scheme.bits <= 4 and (qtype == "q4_1" or scheme.symmetric)
 
 
 def check_exportable(src: Canonical, qtype: str = "q8_0") -> None:
-    """Refuse what would round the run's weights a second time onto a coarser grid: Q4_0 / Q4_1
-    of codes they cannot hold, a K-quant without the float weights before rounding. F16 and
-    Q8_0 re-encode any scheme of at most 8 bits on a finer grid and are always taken."""
+    """Refuse what would round the run's codes a second time: a block type that cannot hold them
+    (`carries_codes`), a K-quant without the float weights before rounding. F16 carries any
+    scheme (the dequantized weight in fp16)."""
     if src.model_type not in ARCHS:
         raise UserError(f"{NAME}: model_type {src.model_type!r} is not exported; supported: {', '.join(ARCHS)}")
     choices = (*_types(), *K_QUANTS)
@@ -252,16 +259,15 @@ def check_exportable(src: Canonical, qtype: str = "q8_0") -> None:
     if qtype in K_QUANTS and src.quantized and not _has_folded(src):
         raise UserError(f"gguf-{qtype}: llama.cpp's quantizer reads the float weights before rounding, which this "
                         f"run did not keep; list gguf-{qtype} in the recipe's export and rerun it (calibration is "
-                        "reused), or export gguf-q8_0 / gguf-q4_0 / gguf-q4_1, which carry the codes")
-    if qtype in ("q4_0", "q4_1"):
+                        "reused), or export a GGUF type that carries the codes (gguf-q8_0, gguf-q4_0, gguf-q4_1)")
+    if qtype in CARRIES:
         for scheme in {qw.scheme for qw in src.quantized.values()}:
             if not carries_codes(scheme, src.act_order, qtype):
-                what = "symmetric int codes of ≤4 bits" if qtype == "q4_0" else "int codes of ≤4 bits"
-                raise UserError(f"gguf-{qtype}: {qtype.upper()} holds {what} in whole 32-column groups; "
+                others = [f"gguf-{q}" for q in CARRIES if q != qtype and carries_codes(scheme, src.act_order, q)]
+                raise UserError(f"gguf-{qtype}: {qtype.upper()} holds {CARRIES[qtype]} in whole 32-column groups; "
                                 f"{scheme.name}{' with act-order' if src.act_order else ''} would be rounded a "
-                                "second time (export gguf-q8_0, "
-                                f"{'gguf-q4_1 for asymmetric codes, ' if qtype == 'q4_0' else ''}or quantize "
-                                "with a group size that is a multiple of 32 and no act-order)")
+                                f"second time (export {' or '.join([*others, 'gguf-f16'])}, or quantize with "
+                                "codes and groups it holds)")
 
 
 def write(src: Canonical, tmp: Path, final: Path, qtype: str = "q8_0") -> None:
@@ -335,17 +341,18 @@ def _encode_tensor(src: Canonical, hf_name: str, qw: QuantizedWeight | None, qty
         if heads is not None:
             perm = permute_rows(qw.codes.shape[0], heads)
             qw = QuantizedWeight(qw.codes[perm], qw.scales[perm], qw.zeros[perm], qw.g_idx, qw.scheme)
+        if qtype == "f16":
+            return qw.dequantize().numpy().astype(np.float16), gguf.GGMLQuantizationType.F16, "f16"
         raw = transcode(qw, qtype)
-        if raw is not None:
-            return raw, _types()[qtype][0], "transcoded"
-        data, gtype = encode(qw.dequantize().numpy(), qtype, float_tensor=False)
-        return data, gtype, "requantized" if gtype != gguf.GGMLQuantizationType.F16 else "f16"
+        if raw is None:  # check_exportable refused what the block type cannot hold
+            raise AssertionError(f"{hf_name}: {qw.scheme.name} does not transcode to {qtype}")
+        return raw, _types()[qtype][0], "transcoded"
     module = hf_name.rsplit(".", 1)[0]
     folded = hf_name.endswith(".weight") and module in src.quantized
     t = (src.folded[module] if folded else src.tensors[hf_name]).float()
     if heads is not None:
         t = t[permute_rows(t.shape[0], heads)]
-    data, gtype = encode(t.numpy(), qtype, float_tensor=True)
+    data, gtype = encode_float(t.numpy(), qtype)
     return data, gtype, gtype.name
 
 
