@@ -77,6 +77,7 @@ def model_config(recipe: Recipe, model_dir: Path | None = None) -> tuple[dict[st
 
 
 def planned_canonical(recipe: Recipe, config: dict[str, Any], model_dir: Path) -> Canonical:
+    """The canonical form the recipe's run will write, as shapes and schemes (module docstring)."""
     spec = ARCH_SPECS[config["model_type"]]
     shapes = linear_shapes(config, spec)
     names = {f"{spec.layers}.{i}.{lin}": shapes[lin]
@@ -94,7 +95,7 @@ def planned_canonical(recipe: Recipe, config: dict[str, Any], model_dir: Path) -
                 continue
             if not _ignored(name, stage.ignore):
                 quantized[name] = _planned_weight(shape, stage.weights, act_order)
-    planned = Canonical(model_dir, config, _planned_quant_config(recipe, names, quantized), {}, quantized)
+    planned = Canonical(model_dir, config, _planned_quant_config(recipe, names), {}, quantized)
     # the float weights before rounding, which the quantize stage keeps for a listed K-quant
     planned.__dict__["folded"] = ({name: qw.codes for name, qw in quantized.items()}
                                   if keeps_folded_weights(recipe.export) else {})
@@ -123,8 +124,7 @@ def _planned_weight(shape: tuple[int, int], scheme: WeightScheme, act_order: boo
                            zeros=torch.empty(out_f, groups, dtype=torch.uint8, **meta), g_idx=g_idx, scheme=scheme)
 
 
-def _planned_quant_config(recipe: Recipe, names: dict[str, tuple[int, int]],
-                          quantized: dict[str, QuantizedWeight]) -> dict[str, Any]:
+def _planned_quant_config(recipe: Recipe, names: dict[str, tuple[int, int]]) -> dict[str, Any]:
     ranges = next((e.config for e in reversed(recipe.stages) if e.kind == "act_ranges"), None)
     out: dict[str, Any] = {"stages": [e.dump() for e in recipe.stages], "source_model": recipe.model.id}
     if ranges is None:
