@@ -52,7 +52,7 @@ def build_plan(recipe: Recipe) -> list[Stage]:
                                 recipe.seed)
         plan.append(Stage("calibration", calib_key, (stages.CALIB_TOKENS, stages.CALIB_INFO), stages.calibrate))
     ppl = recipe.evaluate.perplexity
-    ppl_params = ppl.model_dump(mode="json", exclude={"baseline"}) if ppl else None
+    ppl_params = ppl.model_dump(mode="json", exclude={"baseline", "kl_divergence"}) if ppl else None
     if ppl and ppl.baseline:
         plan.append(Stage("evaluate_float", content_key("ppl", code, model, ppl_params), (stages.PPL_FLOAT,),
                           stages.evaluate_float))
@@ -68,6 +68,9 @@ def build_plan(recipe: Recipe) -> list[Stage]:
     if ppl:
         plan.append(Stage("evaluate_quantized", content_key("ppl", quant_key, ppl_params), (stages.PPL_QUANT,),
                           stages.evaluate_quantized))
+        if ppl.baseline and ppl.kl_divergence:
+            plan.append(Stage("evaluate_divergence", content_key("kld", quant_key, ppl_params), (stages.DIVERGENCE,),
+                              stages.evaluate_divergence))
     if recipe.verify:
         data = verify_dataset(recipe)
         plan.append(Stage("verify", content_key("verify", quant_key, recipe.verify.model_dump(mode="json"),

@@ -192,6 +192,8 @@ class PerplexitySpec(Strict):
     seq_len: int = Field(default=2048, ge=16, le=131_072)
     max_windows: int | None = Field(default=None, gt=0)
     baseline: bool = True
+    kl_divergence: bool = Field(default=True, description=(
+        "with the baseline, also KL(float ‖ quantized) per token and top-1 agreement on the same windows"))
 
 
 class EvaluateSpec(Strict):

@@ -30,6 +30,7 @@ def _weight_summary(m: dict[str, Any]) -> str:
 def write_report(
     run: RunDir, recipe: Recipe, results: list[dict[str, Any]], quant_config: dict[str, Any],
     json_path: str, md_path: str, verify: dict[str, Any] | None = None,
+    divergence: dict[str, Any] | None = None,
 ) -> None:
     float_ppl = next((r["perplexity"] for r in results if r["model"] == "float"), None)
     for r in results:
@@ -44,6 +45,8 @@ def write_report(
         "perplexity": results,
         "versions": run.manifest.get("versions", {}),
     }
+    if divergence is not None:
+        payload["divergence"] = divergence
     if verify is not None:
         payload["verify"] = verify
     write_text_atomic(run.resolve(json_path), json.dumps(payload, indent=2) + "\n")
@@ -75,6 +78,12 @@ def _markdown(p: dict[str, Any]) -> str:
         for r in p["perplexity"]:
             delta = "—" if r["delta_vs_float_pct"] is None else f"{r['delta_vs_float_pct']:+.2f}%"
             lines.append(f"| {r['model']} | {r['perplexity']:.4f} | {delta} | {r['windows']} | {r['tokens_scored']} |")
+    if p.get("divergence"):
+        d = p["divergence"]
+        lines += ["", "## Divergence from float", "",
+                  f"On the same {d['windows']} windows ({d['tokens_scored']} tokens): KL(float ‖ quantized) per token "
+                  f"mean {d['mean_kld']:.5f}, 99th percentile {d['p99_kld']:.5f}, max {d['max_kld']:.4f}; the "
+                  f"quantized model's top token is the float model's at {100 * d['top1_agreement']:.2f}% of positions."]
     if p.get("verify"):
         lines += ["", *_verify_markdown(p["verify"])]
     versions = ", ".join(f"{k} {v}" for k, v in p["versions"].items())

@@ -15,6 +15,7 @@ from quantlab.algorithms import build_algorithm
 from quantlab.context import RunContext
 from quantlab.data import sampling, sources as data_sources
 from quantlab.engine.sequential import run_sequential
+from quantlab.eval.divergence import divergence
 from quantlab.eval.perplexity import perplexity
 from quantlab.formats import keeps_folded_weights
 from quantlab.models.arch import arch_spec_for
@@ -31,6 +32,7 @@ CALIB_INFO = "calib/info.json"
 QUANTIZED = "quantized"
 PPL_FLOAT = "reports/perplexity_float.json"
 PPL_QUANT = "reports/perplexity_quantized.json"
+DIVERGENCE = "reports/divergence.json"
 VERIFY = "reports/verify.json"
 REPORT_JSON = "reports/report.json"
 REPORT_MD = "reports/report.md"
@@ -121,14 +123,30 @@ def evaluate_float(ctx: RunContext) -> None:
     _evaluate(ctx, ctx.float_model(), "float", PPL_FLOAT)
 
 
-def evaluate_quantized(ctx: RunContext) -> None:
+def _fake_quant_model(ctx: RunContext, announce: bool = True) -> torch.nn.Module:
     source = ctx.run.resolve(QUANTIZED)
     model = load_fake_quant_model(source, ctx.dtype)
     handles = apply_from_canonical(model, source)  # activations / KV as deployed, if quantized
-    if handles.linears or handles.attentions:
+    if announce and (handles.linears or handles.attentions):
         console.print(f"fake quant: {describe(json.loads((source / 'quant_config.json').read_text()))} "
                       f"on {handles.linears} Linears, {len(handles.attentions)} attention modules")
-    _evaluate(ctx, model, "quantized", PPL_QUANT)
+    return model
+
+
+def evaluate_quantized(ctx: RunContext) -> None:
+    _evaluate(ctx, _fake_quant_model(ctx), "quantized", PPL_QUANT)
+
+
+def evaluate_divergence(ctx: RunContext) -> None:
+    """KL(float ‖ quantized) and top-1 agreement on the perplexity windows (quantlab.eval.divergence)."""
+    ppl = ctx.recipe.evaluate.perplexity
+    assert ppl is not None
+    with step("divergence from float") as update:
+        result = divergence(ctx.float_model(), _fake_quant_model(ctx, announce=False), eval_tokens(ctx), ppl.seq_len,
+                            ppl.max_windows, ctx.device, on_window=update)
+    write_text_atomic(ctx.run.resolve(DIVERGENCE), json.dumps(result.to_dict(), indent=2) + "\n")
+    console.print(f"divergence: KL(float ‖ quantized) mean {result.mean_kld:.5f}, p99 {result.p99_kld:.5f}; "
+                  f"top-1 agreement {100 * result.top1_agreement:.2f}% over {result.tokens_scored} tokens")
 
 
 def export_dir(fmt: str) -> str:
@@ -195,4 +213,9 @@ def report(ctx: RunContext) -> None:
     quant_config = json.loads(ctx.run.resolve(f"{QUANTIZED}/quant_config.json").read_text())
     verified = ctx.run.resolve(VERIFY)
     verify_result = json.loads(verified.read_text()) if ctx.recipe.verify and verified.exists() else None
-    write_report(ctx.run, ctx.recipe, results, quant_config, REPORT_JSON, REPORT_MD, verify=verify_result)
+    ppl = ctx.recipe.evaluate.perplexity
+    diverged = ctx.run.resolve(DIVERGENCE)
+    kld = (json.loads(diverged.read_text()) if ppl and ppl.baseline and ppl.kl_divergence and diverged.exists()
+           else None)
+    write_report(ctx.run, ctx.recipe, results, quant_config, REPORT_JSON, REPORT_MD, verify=verify_result,
+                 divergence=kld)

@@ -19,7 +19,7 @@ from smollm2_runs import WINDOWS
 
 pytestmark = [pytest.mark.slow, pytest.mark.smollm2("rtn-w4", "rtn-w8-per-channel")]
 
-STAGES = ["calibration", "evaluate_float", "quantize", "evaluate_quantized", "report"]
+STAGES = ["calibration", "evaluate_float", "quantize", "evaluate_quantized", "evaluate_divergence", "report"]
 
 
 def check_run(run, stages: list[str], quantized_linears: int = 210) -> dict[str, dict]:
@@ -50,6 +50,9 @@ def test_w8a16_and_w4a16(smollm2) -> None:
     assert w4["float"]["perplexity"] == pytest.approx(w8["float"]["perplexity"], rel=1e-6)
     assert w4["quantized"]["perplexity"] > w4["float"]["perplexity"]  # 4-bit RTN loses something
     assert w4["quantized"]["perplexity"] > w8["quantized"]["perplexity"]
+    # the distribution moves further from float at 4 bits than at 8 (reports/divergence.json)
+    kld4, kld8 = (r.report()["divergence"] for r in (run, smollm2("rtn-w8-per-channel")))
+    assert kld8["mean_kld"] < kld4["mean_kld"] and kld8["top1_agreement"] > kld4["top1_agreement"]
     config = json.loads((run.dir / "quantized" / "quant_config.json").read_text())
     assert {m["bits"] for m in config["modules"].values()} == {4}
     assert {m["group_size"] for m in config["modules"].values()} == {64}

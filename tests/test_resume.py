@@ -16,7 +16,7 @@ from quantlab.plan import build_plan
 from quantlab.recipe import Recipe, validate_recipe
 from conftest import WIKI_TEST, WIKI_TRAIN
 
-ALL_STAGES = ["calibration", "evaluate_float", "quantize", "evaluate_quantized", "report"]
+ALL_STAGES = ["calibration", "evaluate_float", "quantize", "evaluate_quantized", "evaluate_divergence", "report"]
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +90,9 @@ def test_interrupted_run_resumes_without_redoing_calibration(recipe: Recipe, mon
     assert [r["model"] for r in report["perplexity"]] == ["float", "quantized"]
     assert all(r["windows"] == 2 and r["seq_len"] == 32 for r in report["perplexity"])
     assert report["quantized_linears"] == 14
+    kld = report["divergence"]
+    assert kld["mean_kld"] > 0 and 0 < kld["top1_agreement"] <= 1 and kld["tokens_scored"] == 2 * 31
+    assert "## Divergence from float" in (run_dir / stages.REPORT_MD).read_text()
     assert (run_dir / stages.REPORT_MD).is_file() and (run_dir / "recipe.resolved.yaml").is_file()
     assert validate_recipe(yaml.safe_load((run_dir / "recipe.resolved.yaml").read_text())) == recipe
 
@@ -158,6 +161,11 @@ def test_content_keys_rerun_only_what_depends_on_a_change(tiny_model_dir, data_f
     changed = {s.name: s.key for s in build_plan(validate_recipe(windows))}
     assert changed["calibration"] == keys["calibration"] and changed["quantize"] == keys["quantize"]
     assert changed["evaluate_float"] != keys["evaluate_float"]
+
+    no_kld = {**base, "evaluate": {"perplexity": {**base["evaluate"]["perplexity"], "kl_divergence": False}}}
+    changed = {s.name: s.key for s in build_plan(validate_recipe(no_kld))}
+    assert "evaluate_divergence" not in changed  # turning it off reruns no perplexity stage
+    assert all(changed[n] == keys[n] for n in ("evaluate_float", "quantize", "evaluate_quantized"))
 
     seed = {s.name: s.key for s in build_plan(validate_recipe({**base, "seed": 1}))}
     assert seed["calibration"] != keys["calibration"] and seed["quantize"] != keys["quantize"]

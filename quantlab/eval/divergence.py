@@ -1,0 +1,69 @@
+"""How far the quantized model's next-token distribution moves from the float model's, on the
+perplexity windows: KL divergence KL(float ‖ quantized) per scored token (mean, 99th percentile,
+max) and top-1 agreement, the share of positions where both models' argmax token is the same.
+
+Perplexity averages the log-probability of the one reference token, so a model can keep its
+perplexity while its distribution over the other tokens drifts; llama.cpp's `llama-perplexity
+--kl-divergence` reports these two figures for that reason. Both models run window by window:
+only one window's logits of each are in memory at a time, plus one float per scored token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from quantlab.eval.perplexity import windows_of
+
+
+@dataclass
+class DivergenceResult:
+    mean_kld: float
+    p99_kld: float
+    max_kld: float
+    top1_agreement: float
+    windows: int
+    seq_len: int
+    tokens_scored: int
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _log_probs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Next-token log-probabilities at every position but the last (the positions perplexity scores)."""
+    return F.log_softmax(model(ids, use_cache=False).logits[0, :-1].float(), dim=-1)
+
+
+@torch.no_grad()
+def divergence(
+    reference: torch.nn.Module,
+    candidate: torch.nn.Module,
+    stream: torch.Tensor,
+    seq_len: int,
+    max_windows: int | None = None,
+    device: torch.device = torch.device("cpu"),
+    on_window: Callable[[int, int], None] | None = None,
+) -> DivergenceResult:
+    start = time.perf_counter()
+    windows = windows_of(stream, seq_len, max_windows)
+    per_token: list[torch.Tensor] = []
+    agree = 0
+    for i, window in enumerate(windows):
+        ids = window.unsqueeze(0).to(device)
+        ref, cand = _log_probs(reference, ids), _log_probs(candidate, ids)
+        per_token.append((ref.exp() * (ref - cand)).sum(dim=-1).double().cpu())
+        agree += int((ref.argmax(dim=-1) == cand.argmax(dim=-1)).sum())
+        if on_window:
+            on_window(i + 1, len(windows))
+    kld = torch.cat(per_token)
+    return DivergenceResult(
+        mean_kld=float(kld.mean()), p99_kld=float(torch.quantile(kld, 0.99)), max_kld=float(kld.max()),
+        top1_agreement=agree / kld.numel(), windows=len(windows), seq_len=seq_len, tokens_scored=kld.numel(),
+        seconds=round(time.perf_counter() - start, 2),
+    )
