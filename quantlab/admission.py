@@ -17,10 +17,13 @@ from typing import Any
 
 import torch
 
+from quantlab.engine.sequential import is_ignored
 from quantlab.errors import UserError
+from quantlab.export.api import check_exportable
 from quantlab.export.source import Canonical, linear_shapes
 from quantlab.formats import FORMATS, keeps_folded_weights
 from quantlab.models.arch import ARCH_SPECS
+from quantlab.models.builtin import BUILTIN_MODELS, float_checkpoint_dir
 from quantlab.quant.primitives import QuantizedWeight, default_g_idx
 from quantlab.quant.scheme import WeightScheme
 from quantlab.recipe import WEIGHT_KINDS, Recipe
@@ -28,8 +31,6 @@ from quantlab.recipe import WEIGHT_KINDS, Recipe
 
 def refusal(src: Canonical, fmt: str) -> str | None:
     """The exporter's reason for refusing `fmt` for `src`, or None when it takes it."""
-    from quantlab.export.api import check_exportable
-
     try:
         check_exportable(src, fmt)
     except UserError as exc:
@@ -48,7 +49,7 @@ def admit(recipe: Recipe, model_dir: Path | None = None) -> None:
     `model_dir`: the resolved model (a run passes it once the model is on disk); without it the
     model's config is looked up without downloading anything, and the check is skipped for a
     model that is not on disk yet."""
-    located = (model_config(recipe, model_dir) if model_dir else model_config(recipe)) if recipe.export else None
+    located = model_config(recipe, model_dir) if recipe.export else None
     if located is None:
         return
     src = planned_canonical(recipe, *located)
@@ -61,19 +62,17 @@ def admit(recipe: Recipe, model_dir: Path | None = None) -> None:
 def model_config(recipe: Recipe, model_dir: Path | None = None) -> tuple[dict[str, Any], Path] | None:
     """The model's config.json and directory where they are on disk (a built-in model's float
     copy once made); None for a model that only a download would reveal."""
-    from quantlab.models.builtin import BUILTIN_MODELS, cache_root
-
     model_id = recipe.model.id
     if model_dir is not None:
         path = model_dir
     elif model_id in BUILTIN_MODELS:
-        path = cache_root() / "models" / model_id
+        path = float_checkpoint_dir(model_id)
     else:
         path = Path(model_id).expanduser()
-    config = path / "config.json"
-    if not config.is_file() or json.loads(config.read_text()).get("model_type") not in ARCH_SPECS:
+    if not (path / "config.json").is_file():
         return None
-    return json.loads(config.read_text()), path
+    config = json.loads((path / "config.json").read_text())
+    return (config, path) if config.get("model_type") in ARCH_SPECS else None
 
 
 def planned_canonical(recipe: Recipe, config: dict[str, Any], model_dir: Path) -> Canonical:
@@ -93,7 +92,7 @@ def planned_canonical(recipe: Recipe, config: dict[str, Any], model_dir: Path) -
         for name, shape in names.items():
             if name == "lm_head" and not getattr(stage, "lm_head", False):
                 continue
-            if not _ignored(name, stage.ignore):
+            if not is_ignored(name, stage.ignore):
                 quantized[name] = _planned_weight(shape, stage.weights, act_order)
     planned = Canonical(model_dir, config, _planned_quant_config(recipe, names), {}, quantized)
     # the float weights before rounding, which the quantize stage keeps for a listed K-quant
@@ -104,12 +103,6 @@ def planned_canonical(recipe: Recipe, config: dict[str, Any], model_dir: Path) -
 
 def _head_stage(recipe: Recipe) -> bool:
     return any(getattr(e.config, "lm_head", False) for e in recipe.stages)
-
-
-def _ignored(name: str, patterns: list[str]) -> bool:
-    from quantlab.engine.sequential import is_ignored
-
-    return is_ignored(name, patterns)
 
 
 def _planned_weight(shape: tuple[int, int], scheme: WeightScheme, act_order: bool) -> QuantizedWeight:
@@ -130,7 +123,7 @@ def _planned_quant_config(recipe: Recipe, names: dict[str, tuple[int, int]]) -> 
     if ranges is None:
         return out
     if ranges.activations is not None:
-        mods = [n for n in names if n != "lm_head" and not _ignored(n, ranges.ignore)]
+        mods = [n for n in names if n != "lm_head" and not is_ignored(n, ranges.ignore)]
         out["activations"] = {**ranges.activations.model_dump(), "modules": mods}
     if ranges.kv_cache is not None:
         layers = sorted({n.rsplit(".", 2)[0] for n in names if n != "lm_head"})

@@ -28,7 +28,7 @@ def keeps_folded_weights(formats: list[str]) -> bool:
 
 # What a deploying user loads each export family with, and the Python package (import name, pip
 # name) that loader needs; quantlab writes, validates and inspects every family without them.
-ENGINES: dict[str, tuple[str, tuple[str, str] | None]] = {
+ENGINES: dict[str, tuple[str, tuple[str, str]]] = {
     "awq": ("transformers + gptqmodel (AutoAWQ is archived), or vLLM", ("gptqmodel", "gptqmodel")),
     "gptq": ("GPTQModel.load or transformers + gptqmodel, or vLLM", ("gptqmodel", "gptqmodel")),
     "compressed-tensors": ("vLLM, or transformers + compressed-tensors", ("compressed_tensors", "compressed-tensors")),

@@ -36,10 +36,10 @@ def export(canonical: Path, out: Path, fmt: str, max_shard_bytes: int | None = N
 
 def engine_note(family: str) -> str:
     """What loads the family, and whether its package is installed in this environment."""
-    loader, package = ENGINES[family]
-    if package is None or importlib.util.find_spec(package[0]) is not None:
+    loader, (module, pip_name) = ENGINES[family]
+    if importlib.util.find_spec(module) is not None:
         return loader
-    return f"{loader}; not installed here: pip install {package[1]}"
+    return f"{loader}; not installed here: pip install {pip_name}"
 
 
 def check_exportable(src: Canonical, fmt: str) -> tuple[ModuleType, dict[str, Any]]:

@@ -43,7 +43,7 @@ def check(report: Report, path: Path, qcfg: dict[str, Any], tensors: dict[str, t
 
     hf_config = CompressedTensorsConfig.from_dict(dict(qcfg))
     versions = f"transformers {version('transformers')} + compressed-tensors {version('compressed-tensors')}"
-    report.facts["transformers route"] = f"{'dense (dequantize at load)' if hf_config.dequantize else 'compressed'}"
+    report.facts["transformers route"] = "dense (dequantize at load)" if hf_config.dequantize else "compressed"
     if hf_config.dequantize:
         _check_dense_route(report, hf_config, tensors, quantized, versions)
     else:
@@ -96,11 +96,13 @@ def _check_compressed_route(report: Report, path: Path, hf_config: Any, tensors:
     with contextlib.redirect_stderr(io.StringIO()):  # compressed-tensors' progress bars
         apply_quantization_config(model, compressor.quantization_config, run_compressed=False)
         compressor.compress_model(model)
-    built = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    built: dict[str, dict[str, tuple[int, ...]]] = {}  # module → its parameters' shapes, bias aside
+    for key, value in model.state_dict().items():
+        module, param = key.rsplit(".", 1)
+        if param != "bias":
+            built.setdefault(module, {})[param] = tuple(value.shape)
     for name in quantized:
-        stored = _module_tensors(tensors, name)
-        params = {k.removeprefix(f"{name}."): shape for k, shape in built.items()
-                  if k.startswith(f"{name}.") and k != f"{name}.bias"}
+        stored, params = _module_tensors(tensors, name), built.get(name, {})
         wrong = [f"{k} {list(t.shape)} where the loader builds {list(params[k])}" for k, t in stored.items()
                  if k in params and tuple(t.shape) != params[k]]
         missing = sorted(set(params) - set(stored))

@@ -58,10 +58,15 @@ def cache_root() -> Path:
     return Path(env) if env else Path(platformdirs.user_cache_dir("quantlab"))
 
 
+def float_checkpoint_dir(alias: str) -> Path:
+    """Where the float copy of a built-in model lives (it may not be made yet)."""
+    return cache_root() / "models" / alias
+
+
 def float_checkpoint(alias: str) -> Path:
     """Directory holding the float safetensors copy of a built-in model, created on first use."""
     spec = BUILTIN_MODELS[alias]
-    target = cache_root() / "models" / alias
+    target = float_checkpoint_dir(alias)
     if _is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
