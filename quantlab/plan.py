@@ -39,6 +39,8 @@ def preflight(recipe: Recipe) -> None:
         check_source(recipe.evaluate.perplexity.dataset, "evaluate.perplexity.dataset")
     if recipe.verify and recipe.verify.dataset:
         check_source(recipe.verify.dataset, "verify.dataset")
+    if recipe.evaluate.rouge:
+        check_source(recipe.evaluate.rouge.dataset, "evaluate.rouge.dataset")
     admit(recipe)
 
 
@@ -60,7 +62,7 @@ def build_plan(recipe: Recipe) -> list[Stage]:
     # a K-quant export needs the float weights before rounding, which only the quantize stage has
     folded = ["keep folded weights"] if keeps_folded_weights(recipe.export) else []
     quant_key = content_key("quantize", code, model, calib_key, stage_params, recipe.seed, *folded)
-    plan.append(Stage("quantize", quant_key, (stages.QUANTIZED,), stages.quantize))
+    plan.append(Stage("quantize", quant_key, (stages.QUANTIZED, stages.LINEAR_ERRORS), stages.quantize))
     if recipe.export:
         formats = list(dict.fromkeys(recipe.export))
         plan.append(Stage("export", content_key("export", quant_key, formats),
@@ -71,6 +73,16 @@ def build_plan(recipe: Recipe) -> list[Stage]:
         if ppl.baseline and ppl.kl_divergence:
             plan.append(Stage("evaluate_divergence", content_key("kld", quant_key, ppl_params), (stages.DIVERGENCE,),
                               stages.evaluate_divergence))
+    rouge = recipe.evaluate.rouge
+    if rouge:
+        params = rouge.model_dump(mode="json", exclude={"baseline", "bootstrap"})
+        float_key = "none"
+        if rouge.baseline:
+            float_key = content_key("rouge", code, model, params)
+            plan.append(Stage("evaluate_rouge_float", float_key, (stages.ROUGE_FLOAT,), stages.evaluate_rouge_float))
+        plan.append(Stage("evaluate_rouge_quantized",
+                          content_key("rouge", quant_key, params, float_key, rouge.bootstrap, recipe.seed),
+                          (stages.ROUGE_QUANT, stages.ROUGE), stages.evaluate_rouge_quantized))
     if recipe.verify:
         data = verify_dataset(recipe)
         plan.append(Stage("verify", content_key("verify", quant_key, recipe.verify.model_dump(mode="json"),
@@ -78,5 +90,6 @@ def build_plan(recipe: Recipe) -> list[Stage]:
                                                 recipe.model.dtype, recipe.device),
                           (stages.VERIFY,), stages.verify))
     report_key = content_key("report", [s.key for s in plan])
-    plan.append(Stage("report", report_key, (stages.REPORT_JSON, stages.REPORT_MD), stages.report))
+    plan.append(Stage("report", report_key, (stages.REPORT_JSON, stages.REPORT_MD, stages.REPORT_HTML),
+                      stages.report))
     return plan

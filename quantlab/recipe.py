@@ -196,8 +196,53 @@ class PerplexitySpec(Strict):
         "with the baseline, also KL(float ‖ quantized) per token and top-1 agreement on the same windows"))
 
 
+class SummaryDataSpec(Strict):
+    """Documents with reference summaries: a shortcut (`cnn_dailymail`, `lcsts`), a `datasets`
+    hub id, or a local `.jsonl` / `.json` / `.parquet` file."""
+
+    source: str = Field(min_length=1)
+    subset: str | None = None
+    split: str | None = Field(default=None, description="null = the shortcut's evaluation split, else validation")
+    document_field: str | None = Field(default=None, description="null = the shortcut's, or the first of "
+                                       "article, document, text, content, source present")
+    reference_field: str | None = Field(default=None, description="null = the shortcut's, or the first of "
+                                        "highlights, summary, reference, target, abstract present")
+
+
+class RougeSpec(Strict):
+    """Summaries generated greedily by the float and the quantized model on the same prompts,
+    scored with ROUGE against the references (`quantlab.eval.rouge`, `quantlab.eval.summaries`)."""
+
+    dataset: SummaryDataSpec
+    num_samples: int = Field(default=100, gt=0, le=100_000)
+    seed: int | None = Field(default=None, ge=0, description="null = the first num_samples records; "
+                             "a number = a random subset drawn with it")
+    max_input_tokens: int = Field(default=512, ge=16, le=131_072, description="the document is cut to this "
+                                  "many tokens; the instruction around it is kept whole")
+    max_new_tokens: int = Field(default=64, ge=1, le=4096)
+    batch_size: int = Field(default=16, ge=1, le=1024)
+    prompt: Literal["auto", "chat", "plain"] = Field(default="auto", description="auto = the chat template "
+                                                     "when the tokenizer has one (instruct models), else plain")
+    template: str | None = Field(default=None, description="the prompt text around {document}; null = "
+                                 "'Summarize this article in a few sentences.\\n\\n{document}' as the user "
+                                 "turn of a chat, '{document}\\nTL;DR:' as plain text")
+    tokenize: Literal["auto", "words", "chars"] = Field(default="auto", description="words: rouge-score's "
+                                                        "tokenizer with stemming; chars: one token per CJK/Thai "
+                                                        "character; auto: by the references' script")
+    baseline: bool = Field(default=True, description="also generate with the float model and report the difference")
+    bootstrap: int = Field(default=1000, ge=100, le=100_000, description="paired bootstrap resamples of the difference")
+
+    @field_validator("template")
+    @classmethod
+    def _one_document(cls, v: str | None) -> str | None:
+        if v is not None and v.count("{document}") != 1:
+            raise ValueError("must contain {document} exactly once")
+        return v
+
+
 class EvaluateSpec(Strict):
     perplexity: PerplexitySpec | None = None
+    rouge: RougeSpec | None = None
 
 
 class VerifySpec(Strict):

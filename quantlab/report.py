@@ -1,4 +1,5 @@
-"""The run report: JSON for machines, Markdown for people."""
+"""The run report: JSON for machines, Markdown and one self-contained HTML page for people
+(`quantlab.report_html`)."""
 
 from __future__ import annotations
 
@@ -30,8 +31,9 @@ def _weight_summary(m: dict[str, Any]) -> str:
 def write_report(
     run: RunDir, recipe: Recipe, results: list[dict[str, Any]], quant_config: dict[str, Any],
     json_path: str, md_path: str, verify: dict[str, Any] | None = None,
-    divergence: dict[str, Any] | None = None,
-) -> None:
+    divergence: dict[str, Any] | None = None, rouge: dict[str, Any] | None = None,
+    linear_errors: dict[str, Any] | None = None, size_bytes: int | None = None,
+) -> dict[str, Any]:
     float_ppl = next((r["perplexity"] for r in results if r["model"] == "float"), None)
     for r in results:
         r["delta_vs_float_pct"] = None if float_ppl is None else round(100 * (r["perplexity"] / float_ppl - 1), 3)
@@ -42,15 +44,35 @@ def write_report(
         "scheme": scheme_summary(quant_config),
         "quantized_linears": len(quant_config["modules"]),
         "quantize_seconds": quant_config.get("quantize_seconds"),
+        "size_bytes": size_bytes,
+        "stage_seconds": {name: s.get("seconds") for name, s in run.manifest.get("stages", {}).items()},
         "perplexity": results,
         "versions": run.manifest.get("versions", {}),
     }
     if divergence is not None:
         payload["divergence"] = divergence
+    if rouge is not None:
+        payload["rouge"] = rouge
+    if linear_errors:
+        payload["linear_errors"] = linear_error_summary(linear_errors)
     if verify is not None:
         payload["verify"] = verify
-    write_text_atomic(run.resolve(json_path), json.dumps(payload, indent=2) + "\n")
+    write_text_atomic(run.resolve(json_path), json.dumps(payload, indent=2, ensure_ascii=False) + "\n")
     write_text_atomic(run.resolve(md_path), _markdown(payload))
+    return payload
+
+
+def linear_error_summary(errors: dict[str, Any]) -> dict[str, Any]:
+    """Mean relative output error of the Linears of each decoder layer, RTN and as quantized."""
+    layers: dict[int, list[dict[str, float]]] = {}
+    for name, e in errors["linears"].items():
+        index = next((int(p) for p in name.split(".") if p.isdigit()), -1)
+        layers.setdefault(index, []).append(e)
+    rows = [{"layer": i, **{k: round(sum(e[k] for e in es) / len(es), 6) for k in ("rtn", "quantized")}}
+            for i, es in sorted(layers.items())]
+    every = list(errors["linears"].values())
+    mean = {k: round(sum(e[k] for e in every) / len(every), 6) for k in ("rtn", "quantized")} if every else {}
+    return {"tokens_per_linear": errors["tokens_per_linear"], "mean": mean, "layers": rows}
 
 
 def _markdown(p: dict[str, Any]) -> str:
@@ -84,6 +106,14 @@ def _markdown(p: dict[str, Any]) -> str:
                   f"On the same {d['windows']} windows ({d['tokens_scored']} tokens): KL(float ‖ quantized) per token "
                   f"mean {d['mean_kld']:.5f}, 99th percentile {d['p99_kld']:.5f}, max {d['max_kld']:.4f}; the "
                   f"quantized model's top token is the float model's at {100 * d['top1_agreement']:.2f}% of positions."]
+    if p.get("rouge"):
+        lines += ["", *_rouge_markdown(p["rouge"])]
+    if p.get("linear_errors", {}).get("mean"):
+        m = p["linear_errors"]["mean"]
+        lines += ["", "## Linear output error", "",
+                  f"Mean relative output error of the quantized Linears on {p['linear_errors']['tokens_per_linear']} "
+                  f"calibration tokens each: {m['quantized']:.4f} as quantized, {m['rtn']:.4f} for plain "
+                  "round-to-nearest of the same weights (per Linear: `linear_errors.json`)."]
     if p.get("verify"):
         lines += ["", *_verify_markdown(p["verify"])]
     versions = ", ".join(f"{k} {v}" for k, v in p["versions"].items())
@@ -116,4 +146,27 @@ def _verify_markdown(v: dict[str, Any]) -> list[str]:
                      f"fake quant {f['perplexity']:.4f} ({ppl['rel_diff_pct']:+.3f}%)")
     lines += ["", "| layer | max abs | mean abs | rel |", "|---:|---:|---:|---:|"]
     lines += [f"| {r['layer']} | {r['max_abs']:.3e} | {r['mean_abs']:.3e} | {r['rel']:.3e} |" for r in v["layers"]]
+    return lines
+
+
+ROUGE_NAMES = {"rouge1": "ROUGE-1", "rouge2": "ROUGE-2", "rougeL": "ROUGE-L", "rougeLsum": "ROUGE-Lsum"}
+
+
+def _rouge_markdown(r: dict[str, Any]) -> list[str]:
+    q = r["quantized"]
+    tokens = "words, Porter stemmer" if q["tokenize"] == "words" else "characters (unsegmented script)"
+    lines = ["## ROUGE", "",
+             f"`{q['dataset']}`: {q.get('samples', '?')} samples, {q['prompt']} prompt, greedy, scored by {tokens}; "
+             "F-measure in points, the difference with its paired bootstrap 95% interval.", "",
+             "| model | " + " | ".join(ROUGE_NAMES.values()) + " | samples/s | generator |",
+             "|---|" + "---:|" * (len(ROUGE_NAMES) + 2)]
+    for meta in (r.get("float"), q):
+        if meta:
+            lines.append(f"| {meta['model']} | " + " | ".join(f"{meta[k]:.2f}" for k in ROUGE_NAMES)
+                         + f" | {meta['samples_per_s']:.3f} | {meta['generator']} |")
+    if r.get("difference"):
+        d = r["difference"]
+        lines.append("| Δ quantized − float | " + " | ".join(
+            f"{d[k]['mean']:+.2f} [{d[k]['ci95'][0]:+.2f}, {d[k]['ci95'][1]:+.2f}]" for k in ROUGE_NAMES) + " | | |")
+        lines += ["", f"Identical summaries (float and quantized): {100 * r['identical_summaries']:.1f}%."]
     return lines

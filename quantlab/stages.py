@@ -8,13 +8,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
 from quantlab.algorithms import build_algorithm
 from quantlab.context import RunContext
 from quantlab.data import sampling, sources as data_sources
+from quantlab.engine.linear_error import LinearErrors
 from quantlab.engine.sequential import run_sequential
+from quantlab.eval import rouge, summaries
 from quantlab.eval.divergence import divergence
 from quantlab.eval.perplexity import perplexity
 from quantlab.formats import keeps_folded_weights
@@ -30,12 +33,17 @@ from quantlab.rundir import atomic_path, write_text_atomic
 CALIB_TOKENS = "calib/tokens.safetensors"
 CALIB_INFO = "calib/info.json"
 QUANTIZED = "quantized"
+LINEAR_ERRORS = "reports/linear_errors.json"
 PPL_FLOAT = "reports/perplexity_float.json"
 PPL_QUANT = "reports/perplexity_quantized.json"
 DIVERGENCE = "reports/divergence.json"
+ROUGE_FLOAT = "reports/rouge_float.jsonl"
+ROUGE_QUANT = "reports/rouge_quantized.jsonl"
+ROUGE = "reports/rouge.json"
 VERIFY = "reports/verify.json"
 REPORT_JSON = "reports/report.json"
 REPORT_MD = "reports/report.md"
+REPORT_HTML = "reports/report.html"
 
 
 def calibrate(ctx: RunContext) -> None:
@@ -71,9 +79,10 @@ def quantize(ctx: RunContext) -> None:
     scales: dict[str, torch.Tensor] = {}
     folded = {} if keeps_folded_weights(ctx.recipe.export) else None
     steps = len(spec.decoder_layers(model)) + bool(head)
+    errors = LinearErrors()
     with step(f"quantize ({' → '.join(e.kind for e in ctx.recipe.stages)})", steps) as update:
         quantized = run_sequential(model, spec, ids, algorithms, ctx.device, on_layer=update, scales=scales,
-                                   folded=folded, head_algorithms=head)
+                                   folded=folded, head_algorithms=head, errors=errors)
     seconds = time.perf_counter() - start
     extra = {"stages": [e.dump() for e in ctx.recipe.stages],
              "quantize_seconds": round(seconds, 2), "source_model": ctx.recipe.model.id}
@@ -83,6 +92,8 @@ def quantize(ctx: RunContext) -> None:
     target = ctx.run.resolve(QUANTIZED)
     save_canonical(target, model, quantized, ctx.tokenizer, extra, scales=scales, folded=folded)
     console.print(f"quantize: {len(quantized)} Linears in {seconds:.1f} s")
+    write_text_atomic(ctx.run.resolve(LINEAR_ERRORS), json.dumps(
+        {"tokens_per_linear": errors.tokens, "linears": errors.results}, indent=1) + "\n")
     if ranges is not None:
         _write_scale_tables(target, model, extra, quantized, scales)
 
@@ -149,6 +160,90 @@ def evaluate_divergence(ctx: RunContext) -> None:
                   f"top-1 agreement {100 * result.top1_agreement:.2f}% over {result.tokens_scored} tokens")
 
 
+def _rouge_prompts(ctx: RunContext) -> tuple[list[summaries.Prompt], dict[str, Any]]:
+    """The ROUGE prompts (built once per process) and what they were built from."""
+    spec = ctx.recipe.evaluate.rouge
+    assert spec is not None
+    if "rouge_prompts" not in ctx._cache:
+        pairs, fields = data_sources.load_summary_pairs(spec.dataset, "evaluate.rouge.dataset")
+        style = summaries.prompt_style(spec.prompt, ctx.tokenizer)
+        indices = summaries.pick(spec.num_samples, len(pairs), spec.seed)
+        prompts = summaries.build_prompts(pairs, indices, ctx.tokenizer, style, spec.template, spec.max_input_tokens)
+        tokenize = rouge.choose_tokenize(spec.tokenize, [p.reference for p in prompts])
+        ctx._cache["rouge_prompts"] = prompts, {"dataset": spec.dataset.source, **fields, "prompt": style,
+                                                "tokenize": tokenize, "stemmer": tokenize == "words"}
+    return ctx._cache["rouge_prompts"]
+
+
+def _summarize(ctx: RunContext, label: str, output: str) -> None:
+    """Greedy summaries of every ROUGE prompt by one model, scored, one JSON line per sample.
+    The bundled runner generates; a model it cannot build falls back to transformers' `generate`."""
+    from quantlab.errors import UserError
+    from quantlab.runner.generate import continuations
+    from quantlab.runner.load import from_hf_model, load_runner
+
+    spec = ctx.recipe.evaluate.rouge
+    assert spec is not None
+    prompts, info = _rouge_prompts(ctx)
+    stop = summaries.stop_ids(ctx.tokenizer, info["prompt"])
+    pad = ctx.tokenizer.pad_token_id if ctx.tokenizer.pad_token_id is not None else 0
+    with step(f"summaries ({label}): loading"):
+        try:
+            model = (from_hf_model(ctx.float_model(), ctx.device, ctx.dtype) if label == "float"
+                     else load_runner(ctx.run.resolve(QUANTIZED), ctx.device, ctx.dtype))
+            backend = "runner"
+
+            def generator(batch: list[list[int]]) -> list[list[int]]:
+                return continuations(model, batch, spec.max_new_tokens, stop, pad)
+        except UserError as exc:
+            console.print(f"summaries ({label}): the runner cannot build this model ({exc}); using transformers")
+            hf = (ctx.float_model() if label == "float" else _fake_quant_model(ctx, announce=False)).to(ctx.device)
+            generator, backend = summaries.hf_generator(hf, spec.max_new_tokens, stop, pad), "transformers"
+    with step(f"summaries ({label}): {len(prompts)} prompts, batch {spec.batch_size}") as update:
+        done = summaries.generate_all(generator, prompts, spec.batch_size, stop, on_batch=update)
+    texts = [ctx.tokenizer.decode(t, skip_special_tokens=True).strip() for t in done.tokens]
+    scores = rouge.score(texts, [p.reference for p in prompts], info["tokenize"])
+    rows = [{"index": p.index, "prompt": p.text, "prompt_tokens": len(p.ids), "reference": p.reference,
+             "summary": text, "new_tokens": len(tokens), **scores.sample(i)}
+            for i, (p, text, tokens) in enumerate(zip(prompts, texts, done.tokens))]
+    meta = {"model": label, "generator": backend, "samples": len(prompts), "seconds": round(done.seconds, 2),
+            "samples_per_s": round(len(prompts) / max(done.seconds, 1e-9), 4), "new_tokens": done.new_tokens,
+            "batch_size": spec.batch_size, **info, **scores.mean()}
+    lines = [json.dumps({"meta": meta}, ensure_ascii=False)] + [json.dumps(r, ensure_ascii=False) for r in rows]
+    write_text_atomic(ctx.run.resolve(output), "\n".join(lines) + "\n")
+    console.print(f"ROUGE ({label}): " + ", ".join(f"{k} {v:.2f}" for k, v in scores.mean().items())
+                  + f" over {len(prompts)} samples ({info['tokenize']}; {done.seconds:.0f} s, {backend})")
+
+
+def read_summaries(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The meta line and the per-sample rows of a summaries JSONL file."""
+    lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return lines[0]["meta"], lines[1:]
+
+
+def evaluate_rouge_float(ctx: RunContext) -> None:
+    _summarize(ctx, "float", ROUGE_FLOAT)
+
+
+def evaluate_rouge_quantized(ctx: RunContext) -> None:
+    """The quantized model's summaries, and with the float ones the paired difference (reports/rouge.json)."""
+    spec = ctx.recipe.evaluate.rouge
+    assert spec is not None
+    _summarize(ctx, "quantized", ROUGE_QUANT)
+    quant_meta, quant_rows = read_summaries(ctx.run.resolve(ROUGE_QUANT))
+    result: dict[str, Any] = {"quantized": quant_meta}
+    if spec.baseline:
+        float_meta, float_rows = read_summaries(ctx.run.resolve(ROUGE_FLOAT))
+        as_scores = lambda rows: rouge.Scores(quant_meta["tokenize"], {  # noqa: E731
+            k: np.array([r[k] / 100 for r in rows]) for k in rouge.ROUGE_TYPES})
+        result["float"] = float_meta
+        result["difference"] = rouge.paired_difference(as_scores(quant_rows), as_scores(float_rows),
+                                                       spec.bootstrap, ctx.recipe.seed)
+        result["identical_summaries"] = round(
+            sum(a["summary"] == b["summary"] for a, b in zip(float_rows, quant_rows)) / max(len(quant_rows), 1), 4)
+    write_text_atomic(ctx.run.resolve(ROUGE), json.dumps(result, indent=2, ensure_ascii=False) + "\n")
+
+
 def export_dir(fmt: str) -> str:
     return f"export/{fmt}"
 
@@ -208,14 +303,34 @@ def verify(ctx: RunContext) -> None:
 
 
 def report(ctx: RunContext) -> None:
+    from quantlab.report_html import run_page
+
     results = [json.loads(ctx.run.resolve(p).read_text()) for p in (PPL_FLOAT, PPL_QUANT)
                if ctx.run.resolve(p).exists()]
     quant_config = json.loads(ctx.run.resolve(f"{QUANTIZED}/quant_config.json").read_text())
     verified = ctx.run.resolve(VERIFY)
     verify_result = json.loads(verified.read_text()) if ctx.recipe.verify and verified.exists() else None
-    ppl = ctx.recipe.evaluate.perplexity
-    diverged = ctx.run.resolve(DIVERGENCE)
-    kld = (json.loads(diverged.read_text()) if ppl and ppl.baseline and ppl.kl_divergence and diverged.exists()
-           else None)
-    write_report(ctx.run, ctx.recipe, results, quant_config, REPORT_JSON, REPORT_MD, verify=verify_result,
-                 divergence=kld)
+    ppl, rouge_spec = ctx.recipe.evaluate.perplexity, ctx.recipe.evaluate.rouge
+    kld = _read_json(ctx, DIVERGENCE) if ppl and ppl.baseline and ppl.kl_divergence else None
+    rouge_result = _read_json(ctx, ROUGE) if rouge_spec else None
+    quantized = ctx.run.resolve(QUANTIZED)
+    size = sum(f.stat().st_size for f in quantized.rglob("*") if f.is_file())
+    payload = write_report(ctx.run, ctx.recipe, results, quant_config, REPORT_JSON, REPORT_MD, verify=verify_result,
+                           divergence=kld, rouge=rouge_result, linear_errors=_read_json(ctx, LINEAR_ERRORS),
+                           size_bytes=size)
+    write_text_atomic(ctx.run.resolve(REPORT_HTML), run_page(payload, side_by_side(ctx.run.path) if rouge_spec else []))
+
+
+def side_by_side(run_dir: Path, count: int = 3) -> list[dict[str, str]]:
+    """The first `count` ROUGE samples: reference, float and quantized summaries."""
+    rows = {}
+    for label, path in (("float", ROUGE_FLOAT), ("quantized", ROUGE_QUANT)):
+        if (run_dir / path).exists():
+            for r in read_summaries(run_dir / path)[1][:count]:
+                rows.setdefault(r["index"], {"reference": r["reference"]})[label] = r["summary"]
+    return [r for r in rows.values() if "quantized" in r]
+
+
+def _read_json(ctx: RunContext, path: str) -> dict[str, Any] | None:
+    target = ctx.run.resolve(path)
+    return json.loads(target.read_text(encoding="utf-8")) if target.exists() else None

@@ -457,6 +457,7 @@ class AWQ:
         record.update(alpha=found.alpha, error=found.error, identity_error=found.identity_error)
         if found.alpha is not None:
             fold_scales(prev, consumers, found.scales)
+            ctx.divided_outputs(prev_name, found.scales)
             for site in sites:
                 stats[site].rescale(found.scales)
 

@@ -185,6 +185,7 @@ class SmoothQuant:
             self.chosen[ctx.full_name(group.prev)] = alpha
             if alpha is not None:
                 fold_scales(ctx.layer, group, s)
+                ctx.divided_outputs(group.prev, s)
         return {}
 
     def _search(

@@ -1,7 +1,7 @@
 """Text sources for calibration and evaluation: documents as a list of strings.
 
 `dataset.source` is one of
-  * a shortcut from `quantlab.calib_data/shortcuts.yaml` (wikitext2, c4, pileval, cnn_dailymail),
+  * a shortcut from `quantlab.calib_data/shortcuts.yaml` (wikitext2, c4, pileval, cnn_dailymail, lcsts),
   * `modelscope:<org>/<name>` (needs the `modelscope` extra),
   * a local `.txt` (one document per line, newline kept: the rows of HF wikitext) or
     `.jsonl` / `.json` / `.parquet` file with a text field,
@@ -20,7 +20,7 @@ from typing import Any, Iterable
 import yaml
 
 from quantlab.errors import UserError
-from quantlab.recipe import DatasetSpec
+from quantlab.recipe import DatasetSpec, SummaryDataSpec
 
 LOCAL_SUFFIXES = {".txt", ".raw", ".jsonl", ".json", ".parquet"}
 
@@ -35,7 +35,7 @@ def is_local(source: str) -> bool:
     return Path(source).suffix in LOCAL_SUFFIXES or source.startswith((".", "/", "~")) or Path(source).exists()
 
 
-def check_source(spec: DatasetSpec, field: str) -> None:
+def check_source(spec: DatasetSpec | SummaryDataSpec, field: str) -> None:
     """Checks done before a run starts: a local file must exist and have a known suffix."""
     if spec.source in shortcuts() or spec.source.startswith("modelscope:") or not is_local(spec.source):
         return
@@ -61,6 +61,38 @@ def load_documents(spec: DatasetSpec, field: str, tokenizer: Any = None) -> list
     if not any(d.strip() for d in docs):
         raise UserError(f"{field}.source: {spec.source!r} holds no text")
     return docs
+
+
+DOCUMENT_FIELDS = ("article", "document", "text", "content", "source")
+REFERENCE_FIELDS = ("highlights", "summary", "reference", "target", "abstract")
+
+
+def load_summary_pairs(spec: SummaryDataSpec, field: str) -> tuple[list[tuple[str, str]], dict[str, str]]:
+    """(document, reference) pairs of a summarization set, in order, and the fields and split read."""
+    short = shortcuts().get(spec.source, {})
+    split = spec.split or short.get("eval_split", "validation")
+    records = _records(DatasetSpec(source=spec.source, subset=spec.subset, split=split), field)
+    columns = list(getattr(records, "column_names", None) or (next(iter(records), {}) or {}))
+    doc = _pick_field(spec.document_field or short.get("document_field"), DOCUMENT_FIELDS, columns,
+                      f"{field}.document_field", spec.source)
+    ref = _pick_field(spec.reference_field or short.get("reference_field"), REFERENCE_FIELDS, columns,
+                      f"{field}.reference_field", spec.source)
+    pairs = [(str(r[doc]), str(r[ref])) for r in records]
+    if not pairs:
+        raise UserError(f"{field}.source: {spec.source!r} (split {split!r}) holds no records")
+    return pairs, {"document_field": doc, "reference_field": ref, "split": None if is_local(spec.source) else split}
+
+
+def _pick_field(named: str | None, candidates: tuple[str, ...], columns: list[str], field: str, source: str) -> str:
+    if named is not None:
+        if named not in columns:
+            raise UserError(f"{field}: {source!r} has no field {named!r}; fields: {', '.join(columns)}")
+        return named
+    found = next((c for c in candidates if c in columns), None)
+    if found is None:
+        raise UserError(f"{field}: none of {', '.join(candidates)} in {source!r}; name the field "
+                        f"(fields: {', '.join(columns)})")
+    return found
 
 
 def _records(spec: DatasetSpec, field: str) -> Iterable[dict[str, Any]]:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Protocol
 import torch
 from torch import nn
 
+from quantlab.engine.linear_error import LinearErrors, remove
 from quantlab.models.arch import ArchSpec
 from quantlab.quant.primitives import QuantizedWeight
 
@@ -44,9 +45,18 @@ class LayerContext:
     # Calibrated ranges (activation / KV absmax) keyed by layer-relative name, e.g.
     # `self_attn.q_proj.input_absmax`; the engine prefixes them with the layer's name.
     scales: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Per output channel, what a Linear's outputs were divided by when AWQ / SmoothQuant folded
+    # scales into its rows (the next Linear takes them back); `LinearErrors` undoes it.
+    output_scales: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def linear(self, name: str) -> nn.Linear:
         return self.layer.get_submodule(name)
+
+    def divided_outputs(self, name: str, s: torch.Tensor) -> None:
+        """Record that `name`'s output channels were divided by `s` (if `name` is a Linear)."""
+        if isinstance(self.layer.get_submodule(name), nn.Linear):
+            prior = self.output_scales.get(name)
+            self.output_scales[name] = s.detach().float() * (1 if prior is None else prior.to(s.device))
 
     def full_name(self, name: str) -> str:
         """A layer-relative module name as the model names it (the head's prefix is empty)."""
@@ -144,15 +154,20 @@ def run_sequential(
     scales: dict[str, torch.Tensor] | None = None,
     folded: dict[str, torch.Tensor] | None = None,
     head_algorithms: list[LayerAlgorithm] | None = None,
+    errors: LinearErrors | None = None,
 ) -> dict[str, QuantizedWeight]:
     """Quantize every decoder layer in order; returns canonical codes keyed by full Linear name.
     Ranges the algorithms put in `ctx.scales` are added to `scales` (if given) under full names;
     `folded` (if given) receives each quantized Linear's float weight as the stage whose codes
     won rounded it (scales folded, clipped), in fp16 on the CPU. `head_algorithms` (if any) then
-    quantize `lm_head` on the last layer's outputs (`quantize_head`)."""
+    quantize `lm_head` on the last layer's outputs (`quantize_head`). `errors` (if given) records
+    each decoder Linear's output error (`LinearErrors`); data-free stages then still run one
+    calibration batch through the layers to measure it."""
     head_algorithms = head_algorithms or []
     observe = not all(getattr(a, "data_free", False) for a in [*algorithms, *head_algorithms])
-    batches = capture_layer0_inputs(model, spec, input_ids, batch_size, device) if observe else []
+    track = errors is not None and input_ids.numel() > 0
+    ids = input_ids if observe else input_ids[:batch_size]
+    batches = capture_layer0_inputs(model, spec, ids, batch_size, device) if observe or track else []
     layers = spec.decoder_layers(model)
     steps = len(layers) + bool(head_algorithms)
     quantized: dict[str, QuantizedWeight] = {}
@@ -160,9 +175,18 @@ def run_sequential(
         layer.to(device)
         batches = [Batch(b.hidden.to(device), _to(b.kwargs, device)) for b in batches]
         ctx = LayerContext(index, f"{spec.layers}.{index}", layer, spec, batches, device)
+        if track:
+            handles = errors.float_hooks(layer)
+            with torch.no_grad():
+                layer(batches[0].hidden, **batches[0].kwargs)
+            remove(handles)
         _quantize_block(ctx, algorithms, folded)
-        if observe:
+        if observe or track:
+            handles = errors.quantized_hooks(layer) if track else []
             batches = [Batch(out, b.kwargs) for out, b in zip(ctx.forward(), batches)]
+            remove(handles)
+            if track:
+                errors.finish(ctx.prefix, ctx.quantized, ctx.output_scales)
         layer.to("cpu")
         _collect(ctx, quantized, scales)
         if on_layer:

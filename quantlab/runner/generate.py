@@ -207,3 +207,10 @@ def _lengths(tokens: torch.Tensor, eos: torch.Tensor) -> list[int]:
     hit = torch.isin(tokens, eos)
     first = torch.where(hit.any(1), hit.float().argmax(1) + 1, torch.full_like(hit[:, 0], n, dtype=torch.long))
     return [int(x) for x in first.tolist()]
+
+
+def continuations(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                  stop: Sequence[int] = (), pad_token_id: int = 0) -> list[list[int]]:
+    """Greedy continuation of each prompt as a token list, up to and including its stop token."""
+    out = generate(model, prompts, max_new_tokens, eos_token_id=list(stop), pad_token_id=pad_token_id)
+    return [row[:n].tolist() for row, n in zip(out.tokens.cpu(), out.lengths)]
