@@ -33,6 +33,9 @@ def run_recipe(recipe: Recipe, run_dir: Path | None = None) -> RunDir:
                 console.print(f"[dim]skip {stage.name}: done (key {stage.key})[/dim]")
                 continue
             run.forget(stage.name)
+            if stage.shareable and (source := run.adopt_from_sibling(stage.name, stage.key)) is not None:
+                console.print(f"[dim]{stage.name}: reused from {source} (same key {stage.key})[/dim]")
+                continue
             start = time.perf_counter()
             stage.run(ctx)
             run.record(stage.name, stage.key, list(stage.outputs), time.perf_counter() - start)

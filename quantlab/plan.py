@@ -28,6 +28,7 @@ class Stage:
     key: str
     outputs: tuple[str, ...]
     run: Callable[[RunContext], None]
+    shareable: bool = False  # reads only the float model: a sibling run's finished copy will do
 
 
 def preflight(recipe: Recipe) -> None:
@@ -57,7 +58,7 @@ def build_plan(recipe: Recipe) -> list[Stage]:
     ppl_params = ppl.model_dump(mode="json", exclude={"baseline", "kl_divergence"}) if ppl else None
     if ppl and ppl.baseline:
         plan.append(Stage("evaluate_float", content_key("ppl", code, model, ppl_params), (stages.PPL_FLOAT,),
-                          stages.evaluate_float))
+                          stages.evaluate_float, shareable=True))
     stage_params = [e.model_dump(mode="json", exclude_none=True) for e in recipe.stages]
     # a K-quant export needs the float weights before rounding, which only the quantize stage has
     folded = ["keep folded weights"] if keeps_folded_weights(recipe.export) else []
@@ -79,7 +80,8 @@ def build_plan(recipe: Recipe) -> list[Stage]:
         float_key = "none"
         if rouge.baseline:
             float_key = content_key("rouge", code, model, params)
-            plan.append(Stage("evaluate_rouge_float", float_key, (stages.ROUGE_FLOAT,), stages.evaluate_rouge_float))
+            plan.append(Stage("evaluate_rouge_float", float_key, (stages.ROUGE_FLOAT,), stages.evaluate_rouge_float,
+                              shareable=True))
         plan.append(Stage("evaluate_rouge_quantized",
                           content_key("rouge", quant_key, params, float_key, rouge.bootstrap, recipe.seed),
                           (stages.ROUGE_QUANT, stages.ROUGE), stages.evaluate_rouge_quantized))

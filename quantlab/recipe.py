@@ -219,7 +219,7 @@ class RougeSpec(Strict):
                              "a number = a random subset drawn with it")
     max_input_tokens: int = Field(default=512, ge=16, le=131_072, description="the document is cut to this "
                                   "many tokens; the instruction around it is kept whole")
-    max_new_tokens: int = Field(default=64, ge=1, le=4096)
+    max_new_tokens: int = Field(default=100, ge=1, le=4096, description="as TensorRT-LLM's summarize example")
     batch_size: int = Field(default=16, ge=1, le=1024)
     prompt: Literal["auto", "chat", "plain"] = Field(default="auto", description="auto = the chat template "
                                                      "when the tokenizer has one (instruct models), else plain")

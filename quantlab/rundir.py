@@ -140,6 +140,29 @@ class RunDir:
         }
         self.save()
 
+    def adopt_from_sibling(self, stage: str, key: str) -> Path | None:
+        """Copy a finished stage with this key from a run directory beside this one, if one has
+        it with intact outputs (the float baselines: a recipe compared with another on the same
+        model and data does not evaluate the float model again). Returns the source, or None."""
+        for other in sorted(p for p in self.path.parent.iterdir() if p.is_dir() and p != self.path):
+            try:
+                entry = json.loads((other / MANIFEST).read_text())["stages"].get(stage)
+            except (OSError, ValueError, KeyError):
+                continue
+            files = entry.get("outputs", []) if entry and entry.get("key") == key else []
+            if not files or any(not (other / o).is_file() or file_sha256(other / o) != entry["sha256"].get(o)
+                                for o in files):
+                continue
+            for o in files:
+                with atomic_path(self.resolve(o)) as tmp:
+                    tmp.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(other / o, tmp)
+            self.record(stage, key, files, entry.get("seconds", 0.0))
+            self.manifest["stages"][stage]["reused_from"] = str(other)
+            self.save()
+            return other
+        return None
+
     def forget(self, stage: str) -> None:
         self.manifest["stages"].pop(stage, None)
 
