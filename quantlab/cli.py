@@ -181,6 +181,41 @@ def generate_cmd(
                  fused_decode=fused_decode)
 
 
+@app.command("eval")
+@user_errors
+def eval_cmd(run_dir: Annotated[Path, typer.Argument(help="a run directory quantlab run made")],
+             set_: SetOption = None) -> None:
+    """Evaluate a finished run again (e.g. --set evaluate.rouge.num_samples=200) without quantizing again."""
+    _quiet_libraries()
+    from quantlab.pipeline import evaluate_run
+
+    evaluate_run(run_dir, set_)
+
+
+@app.command("compare")
+@user_errors
+def compare_cmd(run_dirs: Annotated[list[Path], typer.Argument(help="run directories to put side by side")],
+                html: Annotated[Optional[Path], typer.Option(help="also write the table and a plot as one HTML file")] = None,
+                markdown: Annotated[Optional[Path], typer.Option(help="also write the table as Markdown")] = None,
+                ) -> None:
+    """One table across runs: method, scheme, size on disk, quantization time, perplexity, KLD, ROUGE."""
+    from rich.table import Table
+
+    from quantlab import compare
+    from quantlab.report_html import COMPARE_COLUMNS, compare_page
+    from quantlab.rundir import write_text_atomic
+
+    rows = compare.compare_rows(run_dirs)
+    table = Table(*COMPARE_COLUMNS)
+    for row in rows:
+        table.add_row(*("—" if row.get(c) is None else str(row[c]) for c in COMPARE_COLUMNS))
+    console.print(table)
+    for path, text in ((markdown, lambda: compare.markdown(rows)), (html, lambda: compare_page(rows))):
+        if path is not None:
+            write_text_atomic(path, text())
+            typer.echo(f"wrote {path}")
+
+
 @app.command("recipes")
 def list_recipes() -> None:
     """List the recipes that ship with quantlab."""

@@ -45,14 +45,17 @@ def preflight(recipe: Recipe) -> None:
     admit(recipe)
 
 
-def build_plan(recipe: Recipe) -> list[Stage]:
+def build_plan(recipe: Recipe, fixed: dict[str, str] | None = None) -> list[Stage]:
+    """The stages of `recipe`. `fixed` pins the keys of finished quantizing stages (`quantlab
+    eval`: the quantized model on disk stands whatever the code or recipe computes now)."""
+    fixed = fixed or {}
     model = recipe.model.model_dump(mode="json")
     code = code_fingerprint()
     plan: list[Stage] = []
     calib_key = "none"
     if recipe.calibration:
-        calib_key = content_key("calibration", code, model, recipe.calibration.model_dump(mode="json"),
-                                recipe.seed)
+        calib_key = fixed.get("calibration") or content_key(
+            "calibration", code, model, recipe.calibration.model_dump(mode="json"), recipe.seed)
         plan.append(Stage("calibration", calib_key, (stages.CALIB_TOKENS, stages.CALIB_INFO), stages.calibrate))
     ppl = recipe.evaluate.perplexity
     ppl_params = ppl.model_dump(mode="json", exclude={"baseline", "kl_divergence"}) if ppl else None
@@ -62,11 +65,12 @@ def build_plan(recipe: Recipe) -> list[Stage]:
     stage_params = [e.model_dump(mode="json", exclude_none=True) for e in recipe.stages]
     # a K-quant export needs the float weights before rounding, which only the quantize stage has
     folded = ["keep folded weights"] if keeps_folded_weights(recipe.export) else []
-    quant_key = content_key("quantize", code, model, calib_key, stage_params, recipe.seed, *folded)
+    quant_key = fixed.get("quantize") or content_key("quantize", code, model, calib_key, stage_params, recipe.seed,
+                                                     *folded)
     plan.append(Stage("quantize", quant_key, (stages.QUANTIZED, stages.LINEAR_ERRORS), stages.quantize))
     if recipe.export:
         formats = list(dict.fromkeys(recipe.export))
-        plan.append(Stage("export", content_key("export", quant_key, formats),
+        plan.append(Stage("export", fixed.get("export") or content_key("export", quant_key, formats),
                           tuple(stages.export_dir(f) for f in formats), stages.export))
     if ppl:
         plan.append(Stage("evaluate_quantized", content_key("ppl", quant_key, ppl_params), (stages.PPL_QUANT,),

@@ -68,11 +68,19 @@ def linear_error_summary(errors: dict[str, Any]) -> dict[str, Any]:
     for name, e in errors["linears"].items():
         index = next((int(p) for p in name.split(".") if p.isdigit()), -1)
         layers.setdefault(index, []).append(e)
-    rows = [{"layer": i, **{k: round(sum(e[k] for e in es) / len(es), 6) for k in ("rtn", "quantized")}}
-            for i, es in sorted(layers.items())]
+    rows = [{"layer": i, **_means(es)} for i, es in sorted(layers.items())]
     every = list(errors["linears"].values())
-    mean = {k: round(sum(e[k] for e in every) / len(every), 6) for k in ("rtn", "quantized")} if every else {}
+    mean = _means(every) if every else {}
     return {"tokens_per_linear": errors["tokens_per_linear"], "mean": mean, "layers": rows}
+
+
+def _means(errors: list[dict[str, float | None]]) -> dict[str, float]:
+    """Mean of each error kind over the Linears that have it (MoE experts may lack `quantized`)."""
+    out = {}
+    for k in ("rtn", "quantized"):
+        values = [e[k] for e in errors if e.get(k) is not None]
+        out[k] = round(sum(values) / len(values), 6) if values else None
+    return out
 
 
 def _markdown(p: dict[str, Any]) -> str:
@@ -108,8 +116,8 @@ def _markdown(p: dict[str, Any]) -> str:
                   f"quantized model's top token is the float model's at {100 * d['top1_agreement']:.2f}% of positions."]
     if p.get("rouge"):
         lines += ["", *_rouge_markdown(p["rouge"])]
-    if p.get("linear_errors", {}).get("mean"):
-        m = p["linear_errors"]["mean"]
+    m = p.get("linear_errors", {}).get("mean") or {}
+    if m.get("quantized") is not None and m.get("rtn") is not None:
         lines += ["", "## Linear output error", "",
                   f"Mean relative output error of the quantized Linears on {p['linear_errors']['tokens_per_linear']} "
                   f"calibration tokens each: {m['quantized']:.4f} as quantized, {m['rtn']:.4f} for plain "

@@ -123,8 +123,8 @@ def _layers(r: dict[str, Any]) -> str:
     def draw(ax: Any) -> None:
         layers = errors["layers"]
         x = [e["layer"] for e in layers]
-        ax.plot(x, [e["rtn"] for e in layers], marker=".", label="round-to-nearest")
-        ax.plot(x, [e["quantized"] for e in layers], marker=".", label="as quantized")
+        for key, label in (("rtn", "round-to-nearest"), ("quantized", "as quantized")):
+            ax.plot(x, [float("nan") if e[key] is None else e[key] for e in layers], marker=".", label=label)
         ax.set_xlabel("decoder layer")
         ax.set_ylabel("relative output error")
         ax.set_title("Mean Linear output error per layer (calibration tokens)")

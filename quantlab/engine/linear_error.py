@@ -12,6 +12,7 @@ For every Linear of a block the engine records, on a sample of the block's calib
   next Linear takes it back; `LayerContext.output_scales`), the scale is undone first: it is
   not error.
 
+`quantized` is null for a MoE expert whose routed tokens changed between the two passes.
 The gap between the two is what the stage's search or error compensation bought (GPTQ, AWQ),
 or how far in-block propagation adds to the rounding (RTN).
 """
@@ -82,8 +83,10 @@ class LinearErrors:
             norm = ref.y.norm().clamp_min(1e-30)
             gain = output_scales[name].to(y.device) if name in output_scales else 1.0
             full = f"{prefix}.{name}" if prefix else name
+            # a MoE expert can be routed other tokens once the router's inputs moved: no pairing
+            paired = y.shape == ref.y.shape
             self.results[full] = {"rtn": round(float((rtn - ref.y).norm() / norm), 6),
-                                  "quantized": round(float((y * gain - ref.y).norm() / norm), 6)}
+                                  "quantized": round(float((y * gain - ref.y).norm() / norm), 6) if paired else None}
         self._float.clear()
         self._quantized.clear()
 
