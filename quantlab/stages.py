@@ -191,10 +191,11 @@ def _summarize(ctx: RunContext, label: str, output: str) -> None:
         try:
             model = (from_hf_model(ctx.float_model(), ctx.device, ctx.dtype) if label == "float"
                      else load_runner(ctx.run.resolve(QUANTIZED), ctx.device, ctx.dtype))
-            backend = "runner"
+            model.set_attention("triton")  # where Triton runs; else the torch path
+            backend, longest = "runner", max(len(p.ids) for p in prompts) + spec.max_new_tokens
 
             def generator(batch: list[list[int]]) -> list[list[int]]:
-                return continuations(model, batch, spec.max_new_tokens, stop, pad)
+                return continuations(model, batch, spec.max_new_tokens, stop, pad, max_seq_len=longest)
         except UserError as exc:
             console.print(f"summaries ({label}): the runner cannot build this model ({exc}); using transformers")
             hf = (ctx.float_model() if label == "float" else _fake_quant_model(ctx, announce=False)).to(ctx.device)

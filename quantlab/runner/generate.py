@@ -210,7 +210,10 @@ def _lengths(tokens: torch.Tensor, eos: torch.Tensor) -> list[int]:
 
 
 def continuations(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                  stop: Sequence[int] = (), pad_token_id: int = 0) -> list[list[int]]:
-    """Greedy continuation of each prompt as a token list, up to and including its stop token."""
-    out = generate(model, prompts, max_new_tokens, eos_token_id=list(stop), pad_token_id=pad_token_id)
+                  stop: Sequence[int] = (), pad_token_id: int = 0, max_seq_len: int | None = None) -> list[list[int]]:
+    """Greedy continuation of each prompt as a token list, up to and including its stop token.
+    `max_seq_len` sizes the caches for every batch to come, so they (and a captured decode
+    step) are made once, not again for each longer batch."""
+    out = generate(model, prompts, max_new_tokens, eos_token_id=list(stop), pad_token_id=pad_token_id,
+                   max_seq_len=max_seq_len)
     return [row[:n].tolist() for row, n in zip(out.tokens.cpu(), out.lengths)]
