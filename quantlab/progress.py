@@ -8,7 +8,9 @@ from typing import Callable, Iterator
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-console = Console(stderr=True)
+# plain text in notebooks too: rich's Jupyter rendering of a live progress display re-renders
+# every refresh as HTML and can exhaust the recursion limit on a long step
+console = Console(stderr=True, force_jupyter=False)
 
 
 @contextlib.contextmanager

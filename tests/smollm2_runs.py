@@ -90,9 +90,12 @@ CASES = {c.id: c for c in [
          float64=True),
 ]}
 FLOAT_GGUF = "float-gguf"  # the float model's GGUF baselines, scored on rtn-w8-per-channel's windows
+# notebooks/ executed at small settings (QUANTLAB_NOTEBOOK_SMALL=1) as pool jobs: "notebook:<name>"
+NOTEBOOKS = sorted(p.stem for p in (REPO / "notebooks").glob("*.ipynb"))
+NOTEBOOK_JOBS = [f"notebook:{name}" for name in NOTEBOOKS]
 # the longest first: the pool's wall time is at least its longest run
 ORDER = ["awq-gptq-w4-g32-sym", "smoothquant-w8a8-dynamic", "fp8-static-fp8-kv", "gptq-w4-g64-asym-act_order",
-         "rtn-w8-per-channel", "rtn-w4", FLOAT_GGUF]
+         *NOTEBOOK_JOBS, "rtn-w8-per-channel", "rtn-w4", FLOAT_GGUF]
 
 
 @dataclass
@@ -156,7 +159,12 @@ class SmolLM2Runs:
     def _submit(self, case_id: str) -> Future:
         with self.lock:
             if case_id not in self.futures:
-                job: Callable[[], Any] = self._float_gguf if case_id == FLOAT_GGUF else lambda: self._run(CASES[case_id])
+                if case_id == FLOAT_GGUF:
+                    job: Callable[[], Any] = self._float_gguf
+                elif case_id in NOTEBOOK_JOBS:
+                    job = lambda: self._notebook(case_id.removeprefix("notebook:"))  # noqa: E731
+                else:
+                    job = lambda: self._run(CASES[case_id])  # noqa: E731
                 self.futures[case_id] = self.pool.submit(job)
             return self.futures[case_id]
 
@@ -192,6 +200,18 @@ class SmolLM2Runs:
     def _float_gguf(self) -> list[dict[str, Any]]:
         w8 = self.get("rtn-w8-per-channel")
         return export_engines.float_baselines(w8.dir, self.root / FLOAT_GGUF, qtypes=("q4_0",))
+
+    def _notebook(self, name: str) -> Any:
+        """Execute notebooks/<name>.ipynb at small settings, its runs under the pool's root;
+        a failing cell raises (nbclient's CellExecutionError names the cell and its traceback)."""
+        import nbclient
+        import nbformat
+
+        nb = nbformat.read(REPO / "notebooks" / f"{name}.ipynb", as_version=4)
+        os.environ.update(QUANTLAB_NOTEBOOK_SMALL="1", QUANTLAB_NOTEBOOK_RUNS=str(self.root / "notebooks"))
+        client = nbclient.NotebookClient(nb, timeout=1800, kernel_name="python3",
+                                         resources={"metadata": {"path": str(REPO / "notebooks")}})
+        return client.execute()
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
