@@ -73,11 +73,10 @@ def build_plan(recipe: Recipe, fixed: dict[str, str] | None = None) -> list[Stag
         plan.append(Stage("export", fixed.get("export") or content_key("export", quant_key, formats),
                           tuple(stages.export_dir(f) for f in formats), stages.export))
     if ppl:
-        plan.append(Stage("evaluate_quantized", content_key("ppl", quant_key, ppl_params), (stages.PPL_QUANT,),
-                          stages.evaluate_quantized))
-        if ppl.baseline and ppl.kl_divergence:
-            plan.append(Stage("evaluate_divergence", content_key("kld", quant_key, ppl_params), (stages.DIVERGENCE,),
-                              stages.evaluate_divergence))
+        # with the divergence, one pass over the windows gives both (the float model runs beside)
+        kld = ppl.baseline and ppl.kl_divergence
+        plan.append(Stage("evaluate_quantized", content_key("ppl", quant_key, ppl_params, *(["kld"] if kld else [])),
+                          (stages.PPL_QUANT, *([stages.DIVERGENCE] if kld else [])), stages.evaluate_quantized))
     rouge = recipe.evaluate.rouge
     if rouge:
         params = rouge.model_dump(mode="json", exclude={"baseline", "bootstrap"})

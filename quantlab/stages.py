@@ -19,7 +19,7 @@ from quantlab.engine.linear_error import LinearErrors
 from quantlab.engine.sequential import run_sequential
 from quantlab.eval import rouge, summaries
 from quantlab.eval.divergence import divergence
-from quantlab.eval.perplexity import perplexity
+from quantlab.eval.perplexity import PerplexityResult, perplexity
 from quantlab.formats import keeps_folded_weights
 from quantlab.models.arch import arch_spec_for
 from quantlab.progress import console, step
@@ -145,17 +145,23 @@ def _fake_quant_model(ctx: RunContext, announce: bool = True) -> torch.nn.Module
 
 
 def evaluate_quantized(ctx: RunContext) -> None:
-    _evaluate(ctx, _fake_quant_model(ctx), "quantized", PPL_QUANT)
-
-
-def evaluate_divergence(ctx: RunContext) -> None:
-    """KL(float ‖ quantized) and top-1 agreement on the perplexity windows (quantlab.eval.divergence)."""
+    """Perplexity of the fake-quant model; with the float baseline and `kl_divergence`, in the same
+    pass over the windows, KL(float ‖ quantized) and top-1 agreement (quantlab.eval.divergence)."""
     ppl = ctx.recipe.evaluate.perplexity
     assert ppl is not None
-    with step("divergence from float") as update:
-        result = divergence(ctx.float_model(), _fake_quant_model(ctx, announce=False), eval_tokens(ctx), ppl.seq_len,
-                            ppl.max_windows, ctx.device, on_window=update)
+    if not (ppl.baseline and ppl.kl_divergence):
+        _evaluate(ctx, _fake_quant_model(ctx), "quantized", PPL_QUANT)
+        return
+    stream = eval_tokens(ctx)
+    model = _fake_quant_model(ctx)
+    with step("perplexity and divergence from float (quantized)") as update:
+        result = divergence(ctx.float_model(), model, stream, ppl.seq_len, ppl.max_windows, ctx.device,
+                            on_window=update)
+    quantized = PerplexityResult.of(result.candidate_mean_nll, result.windows, stream, ppl.seq_len, result.seconds)
+    payload = {"model": "quantized", "dataset": ppl.dataset.source, **quantized.to_dict()}
+    write_text_atomic(ctx.run.resolve(PPL_QUANT), json.dumps(payload, indent=2) + "\n")
     write_text_atomic(ctx.run.resolve(DIVERGENCE), json.dumps(result.to_dict(), indent=2) + "\n")
+    console.print(f"perplexity (quantized): {quantized.perplexity:.4f} over {quantized.windows} windows × {ppl.seq_len}")
     console.print(f"divergence: KL(float ‖ quantized) mean {result.mean_kld:.5f}, p99 {result.p99_kld:.5f}; "
                   f"top-1 agreement {100 * result.top1_agreement:.2f}% over {result.tokens_scored} tokens")
 

@@ -189,7 +189,7 @@ def test_validate_good_recipe_and_override_applies(fake_model_dir, tmp_path, mon
     result = invoke(["validate", "recipe.yaml"])
     assert result.exit_code == 0, result.output
     assert "ok: cli_test" in result.stdout and "runs/cli_test" in result.stdout
-    assert "calibration → evaluate_float → quantize → evaluate_quantized → evaluate_divergence → report" in result.stdout
+    assert "calibration → evaluate_float → quantize → evaluate_quantized → report" in result.stdout
 
     result = invoke(["validate", "recipe.yaml", "--set", "calibration.num_samples=64",
                      "--set", "output.dir=elsewhere/run1"])

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from conftest import tiny_model
 from quantlab.eval.divergence import divergence
+from quantlab.eval.perplexity import perplexity
 
 
 def test_divergence_of_a_model_from_itself_is_zero():
@@ -38,3 +40,5 @@ def test_divergence_matches_the_direct_computation():
     assert result.max_kld >= result.p99_kld >= result.mean_kld > 0
     agree = float((ref.argmax(-1) == cand.argmax(-1)).double().mean())
     assert result.top1_agreement == agree < 1
+    # the same pass gives the candidate's perplexity on the same windows
+    assert result.candidate_mean_nll == pytest.approx(perplexity(candidate, stream, seq_len=32).mean_nll, rel=1e-5)

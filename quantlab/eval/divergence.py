@@ -6,6 +6,8 @@ Perplexity averages the log-probability of the one reference token, so a model c
 perplexity while its distribution over the other tokens drifts; llama.cpp's `llama-perplexity
 --kl-divergence` reports these two figures for that reason. Both models run window by window:
 only one window's logits of each are in memory at a time, plus one float per scored token.
+The candidate's log-probabilities also give its perplexity on the same windows
+(`candidate_mean_nll`), so a run evaluates the quantized model once for both.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class DivergenceResult:
     seq_len: int
     tokens_scored: int
     seconds: float
+    candidate_mean_nll: float  # the candidate's mean NLL of the next tokens (its perplexity's log)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -53,17 +56,18 @@ def divergence(
     start = time.perf_counter()
     windows = windows_of(stream, seq_len, max_windows)
     per_token: list[torch.Tensor] = []
-    agree = 0
+    agree, nll = 0, 0.0
     for i, window in enumerate(windows):
         ids = window.unsqueeze(0).to(device)
         ref, cand = _log_probs(reference, ids), _log_probs(candidate, ids)
         per_token.append((ref.exp() * (ref - cand)).sum(dim=-1).double().cpu())
         agree += int((ref.argmax(dim=-1) == cand.argmax(dim=-1)).sum())
+        nll -= float(cand.gather(-1, ids[0, 1:, None]).double().sum())
         if on_window:
             on_window(i + 1, len(windows))
     kld = torch.cat(per_token)
     return DivergenceResult(
         mean_kld=float(kld.mean()), p99_kld=float(torch.quantile(kld, 0.99)), max_kld=float(kld.max()),
         top1_agreement=agree / kld.numel(), windows=len(windows), seq_len=seq_len, tokens_scored=kld.numel(),
-        seconds=round(time.perf_counter() - start, 2),
+        seconds=round(time.perf_counter() - start, 2), candidate_mean_nll=nll / kld.numel(),
     )

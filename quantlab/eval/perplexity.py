@@ -33,6 +33,13 @@ class PerplexityResult:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def of(cls, mean_nll: float, windows: int, stream: torch.Tensor, seq_len: int, seconds: float) -> "PerplexityResult":
+        """The result of `windows` windows of `stream` whose scored tokens averaged `mean_nll`."""
+        return cls(perplexity=math.exp(mean_nll), mean_nll=mean_nll, windows=windows,
+                   windows_available=stream.numel() // seq_len, seq_len=seq_len,
+                   tokens_scored=windows * (seq_len - 1), tokens_total=stream.numel(), seconds=round(seconds, 2))
+
 
 def windows_of(stream: torch.Tensor, seq_len: int, max_windows: int | None) -> torch.Tensor:
     available = stream.numel() // seq_len
@@ -63,10 +70,5 @@ def perplexity(
         total_nll += F.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
         if on_window:
             on_window(i + 1, len(windows))
-    scored = len(windows) * (seq_len - 1)
-    mean = total_nll / scored
-    return PerplexityResult(
-        perplexity=math.exp(mean), mean_nll=mean, windows=len(windows),
-        windows_available=stream.numel() // seq_len, seq_len=seq_len, tokens_scored=scored,
-        tokens_total=stream.numel(), seconds=round(time.perf_counter() - start, 2),
-    )
+    mean = total_nll / (len(windows) * (seq_len - 1))
+    return PerplexityResult.of(mean, len(windows), stream, seq_len, time.perf_counter() - start)
