@@ -177,3 +177,18 @@ def test_a_runner_cannot_build_falls_back_to_transformers(tiny_model_dir, data, 
     run_recipe(validate_recipe(raw))
     meta = read_jsonl(tmp_path / "run" / stages.ROUGE_QUANT)[0]["meta"]
     assert meta["generator"] == "transformers" and torch.isfinite(torch.tensor(meta["rouge1"]))
+
+
+def test_bad_summarization_input_is_a_one_line_error(data, tiny_model_dir, tmp_path):
+    from quantlab.data.sources import load_summary_pairs
+    from quantlab.recipe import SummaryDataSpec
+
+    with pytest.raises(UserError, match=r"evaluate.rouge.dataset.document_field: .* has no field 'body'; "
+                                        r"fields: article, highlights"):
+        load_summary_pairs(SummaryDataSpec(source=str(data["pairs"]), document_field="body"), "evaluate.rouge.dataset")
+    pairs, fields = load_summary_pairs(SummaryDataSpec(source=str(data["pairs"])), "evaluate.rouge.dataset")
+    assert len(pairs) == 6 and fields == {"document_field": "article", "reference_field": "highlights", "split": None}
+    raw = raw_recipe(tiny_model_dir, data, tmp_path / "run")
+    raw["evaluate"]["rouge"]["template"] = "Summarize:"
+    with pytest.raises(UserError, match=r"evaluate.rouge.template.*must contain \{document\} exactly once"):
+        validate_recipe(raw)
