@@ -89,9 +89,9 @@ def runner_check(run_dir: Path, batch_size: int) -> dict[str, Any]:
     from quantlab.eval import rouge, summaries
     from quantlab.eval.fake_quant import apply_from_canonical
     from quantlab.quant.canonical import load_fake_quant_model
-    from quantlab.stages import read_summaries
+    from quantlab.eval.summaries import read_jsonl
 
-    meta, rows = read_summaries(run_dir / "reports" / "rouge_quantized.jsonl")
+    meta, rows = read_jsonl(run_dir / "reports" / "rouge_quantized.jsonl")
     canonical = run_dir / "quantized"
     tokenizer = AutoTokenizer.from_pretrained(canonical)
     model = load_fake_quant_model(canonical, torch.float32).eval()

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -194,18 +193,7 @@ def _summarize(ctx: RunContext, label: str, output: str) -> None:
     stop = summaries.stop_ids(ctx.tokenizer, info["prompt"])
     pad = ctx.tokenizer.pad_token_id if ctx.tokenizer.pad_token_id is not None else 0
     with step(f"summaries ({label}): loading"):
-        try:
-            model = (from_hf_model(ctx.float_model(), ctx.device, ctx.dtype) if label == "float"
-                     else load_runner(ctx.run.resolve(QUANTIZED), ctx.device, ctx.dtype))
-            model.set_attention("triton")  # where Triton runs; else the torch path
-            backend, longest = "runner", max(len(p.ids) for p in prompts) + spec.max_new_tokens
-
-            def generator(batch: list[list[int]]) -> list[list[int]]:
-                return continuations(model, batch, spec.max_new_tokens, stop, pad, max_seq_len=longest)
-        except UserError as exc:
-            console.print(f"summaries ({label}): the runner cannot build this model ({exc}); using transformers")
-            hf = (ctx.float_model() if label == "float" else _fake_quant_model(ctx, announce=False)).to(ctx.device)
-            generator, backend = summaries.hf_generator(hf, spec.max_new_tokens, stop, pad), "transformers"
+        generator, backend = _summary_generator(ctx, label, stop, pad, max(len(p.ids) for p in prompts))
     with step(f"summaries ({label}): {len(prompts)} prompts, batch {spec.batch_size}") as update:
         done = summaries.generate_all(generator, prompts, spec.batch_size, stop, on_batch=update)
     texts = [ctx.tokenizer.decode(t, skip_special_tokens=True).strip() for t in done.tokens]
@@ -216,16 +204,33 @@ def _summarize(ctx: RunContext, label: str, output: str) -> None:
     meta = {"model": label, "generator": backend, "samples": len(prompts), "seconds": round(done.seconds, 2),
             "samples_per_s": round(len(prompts) / max(done.seconds, 1e-9), 4), "new_tokens": done.new_tokens,
             "batch_size": spec.batch_size, **info, **scores.mean()}
-    lines = [json.dumps({"meta": meta}, ensure_ascii=False)] + [json.dumps(r, ensure_ascii=False) for r in rows]
-    write_text_atomic(ctx.run.resolve(output), "\n".join(lines) + "\n")
+    write_text_atomic(ctx.run.resolve(output), summaries.jsonl(meta, rows))
     console.print(f"ROUGE ({label}): " + ", ".join(f"{k} {v:.2f}" for k, v in scores.mean().items())
                   + f" over {len(prompts)} samples ({info['tokenize']}; {done.seconds:.0f} s, {backend})")
 
 
-def read_summaries(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The meta line and the per-sample rows of a summaries JSONL file."""
-    lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    return lines[0]["meta"], lines[1:]
+def _summary_generator(ctx: RunContext, label: str, stop: list[int], pad: int,
+                       longest_prompt: int) -> tuple[summaries.Generator, str]:
+    """The bundled runner of the float or quantized model as a batch generator, or transformers'
+    `generate` where the runner cannot build the model; and which of the two it is."""
+    from quantlab.errors import UserError
+    from quantlab.runner.generate import continuations
+    from quantlab.runner.load import from_hf_model, load_runner
+
+    new_tokens = ctx.recipe.evaluate.rouge.max_new_tokens
+    try:
+        model = (from_hf_model(ctx.float_model(), ctx.device, ctx.dtype) if label == "float"
+                 else load_runner(ctx.run.resolve(QUANTIZED), ctx.device, ctx.dtype))
+    except UserError as exc:
+        console.print(f"summaries ({label}): the runner cannot build this model ({exc}); using transformers")
+        hf = (ctx.float_model() if label == "float" else _fake_quant_model(ctx, announce=False)).to(ctx.device)
+        return summaries.hf_generator(hf, new_tokens, stop, pad), "transformers"
+    model.set_attention("triton")  # where Triton runs; else the torch path
+
+    def generator(batch: list[list[int]]) -> list[list[int]]:
+        return continuations(model, batch, new_tokens, stop, pad, max_seq_len=longest_prompt + new_tokens)
+
+    return generator, "runner"
 
 
 def evaluate_rouge_float(ctx: RunContext) -> None:
@@ -237,14 +242,13 @@ def evaluate_rouge_quantized(ctx: RunContext) -> None:
     spec = ctx.recipe.evaluate.rouge
     assert spec is not None
     _summarize(ctx, "quantized", ROUGE_QUANT)
-    quant_meta, quant_rows = read_summaries(ctx.run.resolve(ROUGE_QUANT))
+    quant_meta, quant_rows = summaries.read_jsonl(ctx.run.resolve(ROUGE_QUANT))
     result: dict[str, Any] = {"quantized": quant_meta}
     if spec.baseline:
-        float_meta, float_rows = read_summaries(ctx.run.resolve(ROUGE_FLOAT))
-        as_scores = lambda rows: rouge.Scores(quant_meta["tokenize"], {  # noqa: E731
-            k: np.array([r[k] / 100 for r in rows]) for k in rouge.ROUGE_TYPES})
+        float_meta, float_rows = summaries.read_jsonl(ctx.run.resolve(ROUGE_FLOAT))
         result["float"] = float_meta
-        result["difference"] = rouge.paired_difference(as_scores(quant_rows), as_scores(float_rows),
+        result["difference"] = rouge.paired_difference(rouge.Scores.of_rows(quant_rows, quant_meta["tokenize"]),
+                                                       rouge.Scores.of_rows(float_rows, float_meta["tokenize"]),
                                                        spec.bootstrap, ctx.recipe.seed)
         result["identical_summaries"] = round(
             sum(a["summary"] == b["summary"] for a, b in zip(float_rows, quant_rows)) / max(len(quant_rows), 1), 4)
@@ -333,7 +337,7 @@ def side_by_side(run_dir: Path, count: int = 3) -> list[dict[str, str]]:
     rows = {}
     for label, path in (("float", ROUGE_FLOAT), ("quantized", ROUGE_QUANT)):
         if (run_dir / path).exists():
-            for r in read_summaries(run_dir / path)[1][:count]:
+            for r in summaries.read_jsonl(run_dir / path)[1][:count]:
                 rows.setdefault(r["index"], {"reference": r["reference"]})[label] = r["summary"]
     return [r for r in rows.values() if "quantized" in r]
 

@@ -72,6 +72,11 @@ class Scores:
     def sample(self, i: int) -> dict[str, float]:
         return {k: round(100 * float(v[i]), 4) for k, v in self.per_sample.items()}
 
+    @classmethod
+    def of_rows(cls, rows: Sequence[dict[str, float]], tokenize: str) -> "Scores":
+        """From per-sample rows holding each ROUGE type in points (as `sample` writes them)."""
+        return cls(tokenize, {k: np.array([r[k] / 100 for r in rows], dtype=np.float64) for k in ROUGE_TYPES})
+
 
 def score(predictions: Sequence[str], references: Sequence[str], tokenize: Literal["words", "chars"]) -> Scores:
     from rouge_score import rouge_scorer

@@ -13,8 +13,10 @@ the outputs come back in the prompts' order.
 
 from __future__ import annotations
 
+import json
 import random
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -133,3 +135,16 @@ def hf_generator(model: torch.nn.Module, max_new_tokens: int, stop: Sequence[int
         return [row[width:].tolist() for row in out.cpu()]
 
     return run
+
+
+def jsonl(meta: dict[str, Any], rows: Sequence[dict[str, Any]]) -> str:
+    """A summaries file: one `{"meta": …}` line (model, generator, settings, mean scores), then one
+    line per sample (prompt, reference, summary, scores)."""
+    lines = [json.dumps({"meta": meta}, ensure_ascii=False)] + [json.dumps(r, ensure_ascii=False) for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def read_jsonl(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The meta line and the per-sample rows of a summaries file."""
+    lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return lines[0]["meta"], lines[1:]
