@@ -11,7 +11,8 @@ evaluation of float and quantized. Two LCSTS cases score Chinese by character.
 
 The runner check: the AWQ W4 run's prompts are summarized again by the fake-quant model's own
 transformers `generate` (greedy, left-padded batches); the two ROUGE scores and the share of
-identical summaries are compared.
+identical summaries are compared, and both generators are timed in one process.
+`--retime` keeps the cases and measures the times again with nothing else running.
 
 Writes `benchmarks/results/rouge_eval_cpu.{json,md}` (or `--out`).
 """
@@ -89,6 +90,8 @@ def runner_check(run_dir: Path, batch_size: int) -> dict[str, Any]:
     from quantlab.eval import rouge, summaries
     from quantlab.eval.fake_quant import apply_from_canonical
     from quantlab.quant.canonical import load_fake_quant_model
+    from quantlab.runner.generate import continuations
+    from quantlab.runner.load import load_runner
     from quantlab.eval.summaries import read_jsonl
 
     meta, rows = read_jsonl(run_dir / "reports" / "rouge_quantized.jsonl")
@@ -106,10 +109,37 @@ def runner_check(run_dir: Path, batch_size: int) -> dict[str, Any]:
     refs = [r["reference"] for r in rows]
     hf = rouge.score(texts, refs, meta["tokenize"]).mean()
     runner = rouge.score([r["summary"] for r in rows], refs, meta["tokenize"]).mean()
+    # the runner again on the same prompts in this process, for a time measured like transformers'
+    runner_model = load_runner(canonical)
+    longest = max(len(p.ids) for p in prompts) + 100
+    again = summaries.generate_all(lambda b: continuations(runner_model, b, 100, stop, pad, max_seq_len=longest),
+                                   prompts, batch_size, stop)
     return {"case": run_dir.name, "samples": len(rows), "runner": runner, "transformers_generate": hf,
             "abs_diff": {k: round(abs(runner[k] - hf[k]), 4) for k in runner},
             "identical_summaries": round(sum(a == r["summary"] for a, r in zip(texts, rows)) / len(rows), 4),
-            "transformers_seconds": round(done.seconds, 1), "runner_seconds": meta["seconds"]}
+            "runner_reproduces_the_run": [tokenizer.decode(t, skip_special_tokens=True).strip() for t in again.tokens]
+            == [r["summary"] for r in rows],
+            "transformers_seconds": round(done.seconds, 1), "runner_seconds": round(again.seconds, 1)}
+
+
+def retime(result: dict[str, Any], root: Path) -> dict[str, Any]:
+    """The ROUGE stages of the first case again, alone on the machine: its run copied beside
+    nothing (no sibling to reuse a float stage from), the summaries removed, `quantlab eval`."""
+    import shutil
+    import tempfile
+
+    case = result["rouge_eval_seconds"]["case"]
+    copy = Path(tempfile.mkdtemp(prefix="rouge-retime-")) / case
+    shutil.copytree(root / case, copy)
+    for name in ("rouge_float.jsonl", "rouge_quantized.jsonl", "rouge.json"):
+        (copy / "reports" / name).unlink()
+    proc = subprocess.run([sys.executable, "-m", "quantlab", "eval", str(copy)], cwd=REPO, capture_output=True,
+                          text=True)
+    if proc.returncode:
+        raise SystemExit(f"retime failed:\n{proc.stderr[-3000:]}")
+    stages = json.loads((copy / "manifest.json").read_text())["stages"]
+    f, q = stages["evaluate_rouge_float"]["seconds"], stages["evaluate_rouge_quantized"]["seconds"]
+    return {"case": case, "float": f, "quantized": q, "total": round(f + q, 1), "alone": True}
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -135,7 +165,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"{100 * r['identical_summaries']:.0f}% |")
     t = result["rouge_eval_seconds"]
     lines += ["", f"ROUGE evaluation time of {result['samples']} articles, float + quantized ({t['case']}, "
-              f"{result['threads']} threads): {t['float']:.0f} s + {t['quantized']:.0f} s = {t['total']:.0f} s."]
+              f"{result['threads']} threads{', nothing else running (--retime)' if t.get('alone') else ''}): "
+              f"{t['float']:.0f} s + {t['quantized']:.0f} s = {t['total']:.0f} s."]
     c = result.get("runner_check")
     if c:
         lines += ["", f"Runner vs the fake-quant model's own transformers `generate` ({c['case']}, {c['samples']} "
@@ -146,7 +177,9 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"| {name} | {s['rouge1']:.2f} | {s['rouge2']:.2f} | {s['rougeL']:.2f} | {s['rougeLsum']:.2f} "
                          f"| {sec} |")
         lines += ["", f"Identical summaries: {100 * c['identical_summaries']:.0f}%; largest |Δ|: "
-                  f"{max(c['abs_diff'].values()):.2f} points."]
+                  f"{max(c['abs_diff'].values()):.2f} points. Both timed in one process, batch 16"
+                  + ("; the runner regenerated the run's summaries exactly." if c.get("runner_reproduces_the_run")
+                     else ".")]
     return "\n".join(lines) + "\n"
 
 
@@ -157,7 +190,17 @@ def main() -> None:
     ap.add_argument("--root", type=Path, default=REPO / "runs" / "bench-rouge")
     ap.add_argument("--cases", nargs="*", default=list(CASES))
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "rouge_eval_cpu")
+    ap.add_argument("--retime", action="store_true", help="keep the cases of --out's JSON; time the ROUGE stages "
+                    "and the runner check again with nothing else running")
     args = ap.parse_args()
+    if args.retime:
+        result = json.loads(args.out.with_suffix(".json").read_text())
+        result["rouge_eval_seconds"] = retime(result, args.root)
+        result["runner_check"] = runner_check(args.root / RUNNER_CHECK, 16)
+        args.out.with_suffix(".json").write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
+        args.out.with_suffix(".md").write_text(markdown(result))
+        print(markdown(result))
+        return
     args.root.mkdir(parents=True, exist_ok=True)
     cases = []
     for case in args.cases:
