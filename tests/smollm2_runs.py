@@ -127,9 +127,16 @@ def cli(case: Case, sets: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return quantlab(args, cwd)
 
 
+def child_env() -> dict[str, str]:
+    """The environment of the runs' processes: this one's without TRITON_INTERPRET, which
+    tests/test_kernels.py sets for itself (under it the runner's decode attention would run
+    through the Triton interpreter on the CPU)."""
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
 def quantlab(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, "-m", "quantlab", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=3600)
+                          timeout=3600, env=child_env())
     if proc.returncode != 0:
         raise RuntimeError(f"quantlab {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
     return proc
@@ -208,10 +215,10 @@ class SmolLM2Runs:
         import nbformat
 
         nb = nbformat.read(REPO / "notebooks" / f"{name}.ipynb", as_version=4)
-        os.environ.update(QUANTLAB_NOTEBOOK_SMALL="1", QUANTLAB_NOTEBOOK_RUNS=str(self.root / "notebooks"))
+        env = {**child_env(), "QUANTLAB_NOTEBOOK_SMALL": "1", "QUANTLAB_NOTEBOOK_RUNS": str(self.root / "notebooks")}
         client = nbclient.NotebookClient(nb, timeout=1800, kernel_name="python3",
                                          resources={"metadata": {"path": str(REPO / "notebooks")}})
-        return client.execute()
+        return client.execute(env=env)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

@@ -166,7 +166,9 @@ def run_sequential(
     head_algorithms = head_algorithms or []
     observe = not all(getattr(a, "data_free", False) for a in [*algorithms, *head_algorithms])
     track = errors is not None and input_ids.numel() > 0
-    ids = input_ids if observe else input_ids[:batch_size]
+    ids = input_ids
+    if track and not observe:  # data-free stages: only the samples the error measurement reads
+        ids = input_ids[: -(-errors.tokens // input_ids.shape[1])]
     batches = capture_layer0_inputs(model, spec, ids, batch_size, device) if observe or track else []
     layers = spec.decoder_layers(model)
     steps = len(layers) + bool(head_algorithms)
