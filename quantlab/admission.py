@@ -22,7 +22,7 @@ from quantlab.errors import UserError
 from quantlab.export.api import check_exportable
 from quantlab.export.source import Canonical, linear_shapes
 from quantlab.formats import FORMATS, keeps_folded_weights
-from quantlab.models.arch import ARCH_SPECS
+from quantlab.models.arch import ARCH_SPECS, MOE_ARCH_SPECS
 from quantlab.models.builtin import BUILTIN_MODELS, float_checkpoint_dir
 from quantlab.quant.primitives import QuantizedWeight, default_g_idx
 from quantlab.quant.scheme import WeightScheme
@@ -44,11 +44,49 @@ def allowed_formats(recipe: Recipe, config: dict[str, Any], model_dir: Path) -> 
     return {fmt: refusal(src, fmt) for fmt in FORMATS}
 
 
+# GGUF `general.architecture` names that differ from the transformers model_type
+GGUF_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
+
+
+def declared_architecture(recipe: Recipe, model_dir: Path | None = None) -> str | None:
+    """The model_type the recipe's model declares, read from its config.json or GGUF header
+    without loading any weights (a hub model's from the local cache); None where only a
+    download would tell."""
+    spec = recipe.model
+    path = model_dir if model_dir is not None and model_dir.exists() else Path(spec.id).expanduser()
+    gguf_path = path / spec.gguf_file if spec.gguf_file and path.is_dir() else path
+    if gguf_path.is_file() and gguf_path.suffix == ".gguf":
+        from gguf import GGUFReader
+
+        field = GGUFReader(gguf_path).get_field("general.architecture")
+        arch = field.contents() if field is not None else None
+        return GGUF_MODEL_TYPES.get(arch, arch)
+    config = path / "config.json"
+    if not config.is_file() and spec.id in BUILTIN_MODELS:
+        config = float_checkpoint_dir(spec.id) / "config.json"
+    if not config.is_file() and not path.exists() and spec.id not in BUILTIN_MODELS:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(spec.id, "config.json", revision=spec.revision)
+        config = Path(cached) if isinstance(cached, str) else config
+    return json.loads(config.read_text()).get("model_type") if config.is_file() else None
+
+
+def check_architecture(recipe: Recipe, model_dir: Path | None = None) -> None:
+    """Refuse a model whose architecture has no ArchSpec, before its weights are read."""
+    model_type = declared_architecture(recipe, model_dir)
+    supported = sorted({**ARCH_SPECS, **MOE_ARCH_SPECS})
+    if model_type is not None and model_type not in supported:
+        raise UserError(f"model: architecture {model_type!r} of {recipe.model.id} is not supported yet; "
+                        f"supported: {', '.join(supported)}")
+
+
 def admit(recipe: Recipe, model_dir: Path | None = None) -> None:
-    """Refuse the recipe's first `export:` entry that its run could not be exported to.
-    `model_dir`: the resolved model (a run passes it once the model is on disk); without it the
-    model's config is looked up without downloading anything, and the check is skipped for a
-    model that is not on disk yet."""
+    """Refuse a model of an unsupported architecture, then the recipe's first `export:` entry
+    that its run could not be exported to. `model_dir`: the resolved model (a run passes it once
+    the model is on disk); without it the model's config is looked up without downloading
+    anything, and the checks are skipped for a model that is not on disk yet."""
+    check_architecture(recipe, model_dir)
     located = model_config(recipe, model_dir) if recipe.export else None
     if located is None:
         return

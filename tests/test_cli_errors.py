@@ -234,3 +234,41 @@ def test_subprocess_invalid_yaml_and_bad_set(fake_model_dir, tmp_path) -> None:
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert_user_error(proc.returncode, proc.stdout, proc.stderr, "calibration.seq_len")
     assert sorted(os.listdir(tmp_path)) == ["bad.yaml", "good.yaml"]
+
+
+def unsupported_gguf(path: Path) -> Path:
+    """A GGUF file holding only its header: the architecture a real Qwen3 GGUF declares, no tensors."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("source", ["config", "gguf"])
+def test_unsupported_architecture_is_refused_before_any_weight_is_read(source, tmp_path) -> None:
+    """From config.json or the GGUF header alone (neither file holds a weight to load): validate and run
+    both answer in one line naming the supported architectures, within seconds, leaving nothing behind."""
+    import time
+
+    model = tmp_path / "model"
+    model.mkdir()
+    if source == "config":
+        (model / "config.json").write_text(json.dumps({"model_type": "gemma3_text", "num_hidden_layers": 18}))
+        model_id, declared = str(model), "gemma3_text"
+    else:
+        model_id, declared = str(unsupported_gguf(model / "qwen3-0.6b.Q8_0.gguf")), "qwen3"
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "recipe.yaml").write_text(yaml.safe_dump({**good_recipe(model), "model": {"id": model_id}}))
+    for command in ("validate", "run"):
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "quantlab", command, "recipe.yaml"], cwd=work,
+                              capture_output=True, text=True, timeout=120)
+        line = assert_user_error(proc.returncode, proc.stdout, proc.stderr, "model")
+        assert f"architecture {declared!r}" in line and "supported: llama, mistral, mixtral, qwen2, qwen2_moe" in line
+        assert time.perf_counter() - start < 10
+    assert sorted(os.listdir(work)) == ["recipe.yaml"]
