@@ -124,7 +124,12 @@ def _evaluate(ctx: RunContext, model: torch.nn.Module, label: str, output: str) 
     stream = eval_tokens(ctx)
     with step(f"perplexity ({label})") as update:
         result = perplexity(model, stream, ppl.seq_len, ppl.max_windows, ctx.device, on_window=update)
-    payload: dict[str, Any] = {"model": label, "dataset": ppl.dataset.source, **result.to_dict()}
+    _write_perplexity(ctx, result, label, output)
+
+
+def _write_perplexity(ctx: RunContext, result: PerplexityResult, label: str, output: str) -> None:
+    payload: dict[str, Any] = {"model": label, "dataset": ctx.recipe.evaluate.perplexity.dataset.source,
+                               **result.to_dict()}
     write_text_atomic(ctx.run.resolve(output), json.dumps(payload, indent=2) + "\n")
     console.print(f"perplexity ({label}): {result.perplexity:.4f} over {result.windows} windows × {result.seq_len}")
 
@@ -157,10 +162,8 @@ def evaluate_quantized(ctx: RunContext) -> None:
         result = divergence(ctx.float_model(), model, stream, ppl.seq_len, ppl.max_windows, ctx.device,
                             on_window=update)
     quantized = PerplexityResult.of(result.candidate_mean_nll, result.windows, stream, ppl.seq_len, result.seconds)
-    payload = {"model": "quantized", "dataset": ppl.dataset.source, **quantized.to_dict()}
-    write_text_atomic(ctx.run.resolve(PPL_QUANT), json.dumps(payload, indent=2) + "\n")
+    _write_perplexity(ctx, quantized, "quantized", PPL_QUANT)
     write_text_atomic(ctx.run.resolve(DIVERGENCE), json.dumps(result.to_dict(), indent=2) + "\n")
-    console.print(f"perplexity (quantized): {quantized.perplexity:.4f} over {quantized.windows} windows × {ppl.seq_len}")
     console.print(f"divergence: KL(float ‖ quantized) mean {result.mean_kld:.5f}, p99 {result.p99_kld:.5f}; "
                   f"top-1 agreement {100 * result.top1_agreement:.2f}% over {result.tokens_scored} tokens")
 

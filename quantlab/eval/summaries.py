@@ -80,9 +80,9 @@ def stop_ids(tokenizer: Any, style: str) -> list[int]:
     if style == "chat":
         for token in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>"):
             tid = tokenizer.convert_tokens_to_ids(token)
-            if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid is not None:
+            if isinstance(tid, int) and tid != tokenizer.unk_token_id:
                 ids.add(tid)
-    return sorted(i for i in ids if i is not None)
+    return sorted(ids)
 
 
 @dataclass
