@@ -28,11 +28,17 @@ settings.load_profile("quantlab")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
-# Mixture-of-experts families: 4 experts, 2 per token; Qwen2-MoE's shared expert is wider.
-TINY_MOE = {
+# Per family: mixture-of-experts families get 4 experts, 2 per token (Qwen2-MoE's shared
+# expert is wider); families whose default head_dim is not hidden / heads get 16; Gemma 3 gets
+# one sliding-window layer (window 8) and one global layer with RoPE theta as the real model's.
+TINY_FAMILY = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       shared_expert_intermediate_size=64),
+    "qwen3": dict(head_dim=16),
+    "qwen3_moe": dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "gemma3_text": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                        layer_types=["sliding_attention", "full_attention"]),
 }
 
 
@@ -42,7 +48,7 @@ def tiny_config(model_type: str = "llama", **overrides):
 
     base = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, vocab_size=512, max_position_embeddings=256,
-                tie_word_embeddings=model_type == "llama", **TINY_MOE.get(model_type, {}))
+                tie_word_embeddings=model_type in ("llama", "gemma3_text"), **TINY_FAMILY.get(model_type, {}))
     base.update(overrides)
     return AutoConfig.for_model(model_type, **base)
 

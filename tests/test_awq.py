@@ -16,7 +16,6 @@ from quantlab.algorithms.awq import (
     apply_clip,
     collect_input_stats,
     fake_quantize,
-    fold_scales,
     input_sites,
     output_error,
     search_clip,
@@ -116,7 +115,7 @@ def test_token_subsample_is_seeded_and_bounded():
 # --------------------------------------------------------------------------- folding
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "gemma3_text"])
 def test_random_scales_fold_exactly(model_type):
     """Every compatible group (GQA off, so v→o folds too) absorbs arbitrary positive scales."""
     model = tiny_model(model_type, num_key_value_heads=4)
@@ -128,11 +127,11 @@ def test_random_scales_fold_exactly(model_type):
         for group in spec.scaling:
             consumers = [layer.get_submodule(n) for n in group.linears]
             s = torch.exp(torch.randn(consumers[0].in_features, generator=gen))
-            fold_scales(layer.get_submodule(group.prev), consumers, s)
+            spec.fold_scales(layer.get_submodule(group.prev), consumers, s)
     assert torch.allclose(model(ids).logits, reference, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "gemma3_text"])
 def test_awq_folding_preserves_the_float_model(model_type):
     model = _model_with_outliers(model_type)
     ids = _ids()

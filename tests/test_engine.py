@@ -1,4 +1,4 @@
-"""The sequential engine with RTN on tiny llama / qwen2 / mistral models."""
+"""The sequential engine with RTN on tiny models of each dense family."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from quantlab.quant.scheme import WeightScheme
 from conftest import tiny_model
 
 CPU = torch.device("cpu")
-FAMILIES = ("llama", "qwen2", "mistral")
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "gemma3_text")
 SCHEME = WeightScheme(bits=4, symmetric=False, group_size=32)  # down_proj (in 96) gets 3 groups
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import TINY_MOE, WIKI_TRAIN, tiny_model
+from conftest import WIKI_TRAIN, tiny_model
 from quantlab.algorithms.act_ranges import ActRanges
 from quantlab.algorithms.awq import AWQ, RoutedGram, output_error
 from quantlab.algorithms.gptq import GPTQ
@@ -34,7 +34,7 @@ from quantlab.recipe import validate_recipe
 
 CPU = torch.device("cpu")
 SCHEME = WeightScheme(bits=4, symmetric=False, group_size=32)
-MOE_TYPES = list(TINY_MOE)
+MOE_TYPES = ["mixtral", "qwen2_moe", "qwen3_moe"]
 ALGORITHMS = {"rtn": lambda: RTN(SCHEME), "gptq": lambda: GPTQ(SCHEME), "awq": lambda: AWQ(SCHEME, max_tokens=256)}
 FLOAT_ONLY = ("mlp.gate", "mlp.shared_expert_gate")  # router and shared-expert gate
 

@@ -52,7 +52,8 @@ def lively(model_type: str = "llama", **overrides) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("model_type,overrides", [
-    ("llama", {}), ("qwen2", {}),
+    ("llama", {}), ("qwen2", {}), ("qwen3", {}), ("gemma3_text", {}), ("mistral", {"sliding_window": 6}),
+    ("mixtral", {}), ("qwen2_moe", {}), ("qwen3_moe", {"norm_topk_prob": True}),
     ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                    "original_max_position_embeddings": 16}}),

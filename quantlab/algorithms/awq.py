@@ -242,22 +242,6 @@ def producer_width(prev: nn.Module) -> int:
     return prev.weight.shape[0]
 
 
-@torch.no_grad()
-def fold_scales(prev: nn.Module, consumers: list[nn.Module], s: torch.Tensor) -> None:
-    """Divide the producer's output channels by `s` (norm weight/bias, or a Linear's output
-    rows and bias) and multiply the consumers' input columns by `s` (Linears, or a MoE router's
-    `[experts, in]` weight): the float function is unchanged (norms are elementwise-affine
-    last; attention and SwiGLU are linear in v / up per channel)."""
-    if isinstance(prev, nn.Linear):
-        prev.weight.div_(s.to(prev.weight.dtype)[:, None])
-    else:
-        prev.weight.div_(s.to(prev.weight.dtype))
-    if getattr(prev, "bias", None) is not None:
-        prev.bias.div_(s.to(prev.bias.dtype))
-    for linear in consumers:
-        linear.weight.mul_(s.to(linear.weight.dtype)[None, :])
-
-
 # --------------------------------------------------------------------------- observation
 
 
@@ -456,7 +440,7 @@ class AWQ:
         found = search_scales(w, x_mean, gram, self.scheme, self.grid, self.duo_scaling)
         record.update(alpha=found.alpha, error=found.error, identity_error=found.identity_error)
         if found.alpha is not None:
-            fold_scales(prev, consumers, found.scales)
+            ctx.spec.fold_scales(prev, consumers, found.scales)
             ctx.divided_outputs(prev_name, found.scales)
             for site in sites:
                 stats[site].rescale(found.scales)

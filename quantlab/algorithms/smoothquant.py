@@ -68,22 +68,6 @@ def can_smooth(layer: nn.Module, group: ScalingGroup) -> bool:
     return weight is not None and weight.dim() == 1 and weight.numel() == in_f
 
 
-@torch.no_grad()
-def fold_scales(layer: nn.Module, group: ScalingGroup, s: torch.Tensor) -> None:
-    """Divide the producer's output channels by `s`, multiply the consumers' columns by `s`."""
-    prev = layer.get_submodule(group.prev)
-    s = s.to(prev.weight.device)
-    if isinstance(prev, nn.Linear):
-        prev.weight.div_(s.view(-1, 1).to(prev.weight.dtype))
-    else:
-        prev.weight.div_(s.to(prev.weight.dtype))
-    if getattr(prev, "bias", None) is not None:
-        prev.bias.div_(s.to(prev.bias.dtype))
-    for name in group.linears:
-        lin = layer.get_submodule(name)
-        lin.weight.mul_(s.view(1, -1).to(lin.weight.dtype))
-
-
 @dataclass
 class GroupInputs:
     """What one group's shared input looked like over the calibration set."""
@@ -184,7 +168,8 @@ class SmoothQuant:
                 s, alpha = smoothing_scales(x_absmax, w_absmax, self.alpha), self.alpha
             self.chosen[ctx.full_name(group.prev)] = alpha
             if alpha is not None:
-                fold_scales(ctx.layer, group, s)
+                ctx.spec.fold_scales(ctx.layer.get_submodule(group.prev),
+                                     [ctx.layer.get_submodule(n) for n in group.linears], s)
                 ctx.divided_outputs(group.prev, s)
         return {}
 

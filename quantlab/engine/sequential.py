@@ -1,6 +1,8 @@
 """The sequential layer-by-layer engine.
 
-Capture the inputs of decoder layer 0 for every calibration batch, then for each layer:
+Capture the inputs of decoder layer 0 for every calibration batch (and what the model passes
+each layer besides its hidden states: families such as Gemma 3 give sliding-window and global
+layers different masks and RoPE tables), then for each layer:
 onload it to the compute device, let each algorithm (in recipe order) observe and quantize
 it, then write the fake-quantized weights (each Linear's last codes) back so the layer
 computes what it will compute when deployed, recompute the layer's outputs as the next
@@ -28,7 +30,15 @@ class _Captured(Exception):
 @dataclass
 class Batch:
     hidden: torch.Tensor  # [b, L, H] input of the current layer
-    kwargs: dict[str, Any]  # everything else the decoder layer is called with
+    kwargs: dict[str, Any]  # everything else the current decoder layer is called with
+    # Per decoder layer, everything else it is called with (empty: every layer takes `kwargs`);
+    # layers of one kind share the very same tensors.
+    layer_kwargs: list[dict[str, Any]] = field(default_factory=list)
+
+    def for_layer(self, index: int, hidden: torch.Tensor, device: torch.device) -> "Batch":
+        """This batch as the input of decoder layer `index`, on `device`."""
+        kwargs = self.layer_kwargs[index] if self.layer_kwargs else self.kwargs
+        return Batch(hidden.to(device), _to(kwargs, device), self.layer_kwargs)
 
 
 @dataclass
@@ -100,21 +110,35 @@ def _to(obj: Any, device: torch.device) -> Any:
     return obj
 
 
+class _Recorder(nn.Module):
+    """Stands in for a decoder layer during capture: records what the model calls it with and
+    passes the hidden states on unchanged, so no layer's weights are touched; the last one
+    ends the forward."""
+
+    def __init__(self, calls: list[tuple[torch.Tensor, dict[str, Any]]], last: bool):
+        super().__init__()
+        self.calls, self.last = calls, last
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value")}
+        self.calls.append((hidden.detach(), {**kwargs, "use_cache": False}))
+        if self.last:
+            raise _Captured
+        return hidden
+
+
 def capture_layer0_inputs(
     model: nn.Module, spec: ArchSpec, input_ids: torch.Tensor, batch_size: int, device: torch.device
 ) -> list[Batch]:
-    """Run the model's embedding part on each batch and record what layer 0 receives."""
+    """Run the model's embedding part on each batch and record what layer 0 receives, and what
+    else every layer is called with (`Batch.layer_kwargs`)."""
     layers = spec.decoder_layers(model)
-    batches: list[Batch] = []
-
-    def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
-        hidden = args[0] if args else kwargs.pop("hidden_states")
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value")}
-        batches.append(Batch(hidden.detach(), {**kwargs, "use_cache": False}))
-        raise _Captured
-
+    originals = list(layers)
+    calls: list[tuple[torch.Tensor, dict[str, Any]]] = []
+    for i in range(len(layers)):
+        layers[i] = _Recorder(calls, last=i == len(layers) - 1)
     # Everything before layer 0 (embeddings, rotary) goes to the device; the layers stay put.
-    handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
     moved = _move_non_layers(model, spec, device)
     try:
         with torch.no_grad():
@@ -124,10 +148,13 @@ def capture_layer0_inputs(
                 except _Captured:
                     pass
     finally:
-        handle.remove()
+        for i, layer in enumerate(originals):
+            layers[i] = layer
         for module in moved:
             module.to("cpu")
-    return batches
+    n = len(originals)
+    return [Batch(calls[b * n][0], calls[b * n][1], [kwargs for _, kwargs in calls[b * n:(b + 1) * n]])
+            for b in range(len(calls) // n)]
 
 
 def _move_non_layers(model: nn.Module, spec: ArchSpec, device: torch.device) -> list[nn.Module]:
@@ -175,7 +202,7 @@ def run_sequential(
     quantized: dict[str, QuantizedWeight] = {}
     for index, layer in enumerate(layers):
         layer.to(device)
-        batches = [Batch(b.hidden.to(device), _to(b.kwargs, device)) for b in batches]
+        batches = [b.for_layer(index, b.hidden, device) for b in batches]
         ctx = LayerContext(index, f"{spec.layers}.{index}", layer, spec, batches, device)
         if track:
             handles = errors.float_hooks(layer)
@@ -185,7 +212,7 @@ def run_sequential(
         _quantize_block(ctx, algorithms, folded)
         if observe or track:
             handles = errors.quantized_hooks(layer) if track else []
-            batches = [Batch(out, b.kwargs) for out, b in zip(ctx.forward(), batches)]
+            batches = [Batch(out, b.kwargs, b.layer_kwargs) for out, b in zip(ctx.forward(), batches)]
             remove(handles)
             if track:
                 errors.finish(ctx.prefix, ctx.quantized, ctx.output_scales)

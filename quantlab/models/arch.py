@@ -59,6 +59,9 @@ class ArchSpec:
     kv_proj: tuple[str, str] = ("self_attn.k_proj", "self_attn.v_proj")
     qkv_bias: bool = False
     experts: str | None = None  # MoE: the config attribute holding the number of experts
+    # RMSNorms multiply by `norm_offset + weight` (Gemma stores the gain minus one); a fold
+    # into such a norm must divide the gain, not the stored weight (`fold_scales`).
+    norm_offset: float = 0.0
 
     @property
     def linears(self) -> tuple[str, ...]:
@@ -93,12 +96,34 @@ class ArchSpec:
     def decoder_layers(self, model: torch.nn.Module) -> torch.nn.ModuleList:
         return model.get_submodule(self.layers)
 
+    @torch.no_grad()
+    def fold_scales(self, prev: torch.nn.Module, consumers: list[torch.nn.Module], s: torch.Tensor) -> None:
+        """Divide the producer's output channels by `s` (a norm's gain and bias, or a Linear's
+        output rows and bias) and multiply the consumers' input columns by `s` (Linears, or a
+        MoE router's `[experts, in]` weight): the float function is unchanged (norms are
+        elementwise-affine last; attention and gated MLPs are linear in v / up per channel).
+        The arithmetic runs in float32 and is rounded once into the parameters' dtype."""
+        s = s.float().to(prev.weight.device)
+        if isinstance(prev, torch.nn.Linear):
+            _assign(prev.weight, prev.weight.float() / s[:, None])
+        else:
+            gain = prev.weight.float() + self.norm_offset
+            _assign(prev.weight, gain / s - self.norm_offset)
+        if getattr(prev, "bias", None) is not None:
+            _assign(prev.bias, prev.bias.float() / s)
+        for linear in consumers:
+            _assign(linear.weight, linear.weight.float() * s.to(linear.weight.device)[None, :])
+
     def require_dense(self, stage: str) -> None:
         """For stages that take one statistic per scaling group or need every Linear to see
         tokens: a MoE expert sees only its routed tokens, possibly none."""
         if self.experts is not None:
             raise UserError(f"{stage}: mixture-of-experts models ({self.name}) are not supported by this stage "
                             "yet; quantize their weights with rtn, gptq or awq")
+
+
+def _assign(param: torch.Tensor, value: torch.Tensor) -> None:
+    param.copy_(value.to(param.dtype))
 
 
 def _expand(names: tuple[str, ...], n: int) -> tuple[str, ...]:
@@ -136,19 +161,37 @@ ARCH_SPECS: dict[str, ArchSpec] = {
     "llama": ArchSpec("llama"),
     "mistral": ArchSpec("mistral"),
     "qwen2": ArchSpec("qwen2", qkv_bias=True),
-}
-
-MOE_ARCH_SPECS: dict[str, ArchSpec] = {
-    "mixtral": ArchSpec(
-        "mixtral",
-        experts="num_local_experts",
-        sequential=(*ATTENTION_SEQUENTIAL, (f"{_EXPERT}.gate_proj", f"{_EXPERT}.up_proj"), (f"{_EXPERT}.down_proj",)),
+    # Per-head q_norm / k_norm sit after q_proj / k_proj: input scales on q/k/v still fold exactly.
+    "qwen3": ArchSpec("qwen3"),
+    # Gemma 3: the attention output and the MLP output are normed again (post_attention_layernorm,
+    # post_feedforward_layernorm) before the residual add; those norms feed no Linear. The MLP
+    # reads `pre_feedforward_layernorm`; gelu(gate) · up is linear in up per channel, so
+    # up_proj → down_proj folds as for SwiGLU.
+    "gemma3_text": ArchSpec(
+        "gemma3_text",
         scaling=(
             *ATTENTION_SCALING,
-            ScalingGroup("post_attention_layernorm", (f"{_EXPERT}.gate_proj", f"{_EXPERT}.up_proj", "mlp.gate")),
-            ScalingGroup(f"{_EXPERT}.up_proj", (f"{_EXPERT}.down_proj",)),
+            ScalingGroup("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+            ScalingGroup("mlp.up_proj", ("mlp.down_proj",)),
         ),
+        norm_offset=1.0,
     ),
+}
+
+_ROUTED_MLP_SEQUENTIAL = ((f"{_EXPERT}.gate_proj", f"{_EXPERT}.up_proj"), (f"{_EXPERT}.down_proj",))
+_ROUTED_MLP_SCALING = (
+    ScalingGroup("post_attention_layernorm", (f"{_EXPERT}.gate_proj", f"{_EXPERT}.up_proj", "mlp.gate")),
+    ScalingGroup(f"{_EXPERT}.up_proj", (f"{_EXPERT}.down_proj",)),
+)
+
+MOE_ARCH_SPECS: dict[str, ArchSpec] = {
+    "mixtral": ArchSpec("mixtral", experts="num_local_experts",
+                        sequential=(*ATTENTION_SEQUENTIAL, *_ROUTED_MLP_SEQUENTIAL),
+                        scaling=(*ATTENTION_SCALING, *_ROUTED_MLP_SCALING)),
+    # Qwen3-MoE: Qwen3 attention (q/k norms, no bias), routed experts, no shared expert.
+    "qwen3_moe": ArchSpec("qwen3_moe", experts="num_experts",
+                          sequential=(*ATTENTION_SEQUENTIAL, *_ROUTED_MLP_SEQUENTIAL),
+                          scaling=(*ATTENTION_SCALING, *_ROUTED_MLP_SCALING)),
     "qwen2_moe": ArchSpec(
         "qwen2_moe",
         experts="num_experts",

@@ -1,6 +1,6 @@
 """Unfuse mixture-of-experts blocks into per-expert Linears, so quantization sees Linears.
 
-transformers (≥ 5) keeps a Mixtral / Qwen2-MoE layer's experts as two 3-D parameters
+transformers (≥ 5) keeps a Mixtral / Qwen2-MoE / Qwen3-MoE layer's experts as two 3-D parameters
 (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`) and runs them through one fused kernel.
 The engine, GPTQ, AWQ and the canonical form all work on `nn.Linear`s by name, and each
 expert must be calibrated on the tokens the router sends it. `unfuse_experts` replaces each
@@ -15,6 +15,8 @@ on its Linears see exactly the tokens routed to it, or nothing.
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 from torch import nn
 
@@ -22,7 +24,7 @@ from quantlab.errors import UserError
 
 # Fused experts classes with the layout unfused here: [gate; up] concatenated along the
 # output dim, weights stored [out, in], no bias, act(gate) · up → down.
-FUSED_EXPERTS = ("MixtralExperts", "Qwen2MoeExperts")
+FUSED_EXPERTS = ("MixtralExperts", "Qwen2MoeExperts", "Qwen3MoeExperts")
 
 
 class ExpertMLP(nn.Module):
@@ -42,15 +44,23 @@ class Experts(nn.ModuleList):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(hidden_states)
-        routed = top_k_index.T  # [K, T]: (slot, token) pairs in the order the eager loop visits them
-        for e, expert in enumerate(self):
-            slot, token = torch.where(routed == e)
-            if token.numel() == 0:
-                continue
-            y = expert(hidden_states[token]) * top_k_weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
-        return out
+        return mix_experts(hidden_states, top_k_index, top_k_weights, self)
+
+
+def mix_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                experts: Iterable[nn.Module]) -> torch.Tensor:
+    """`Σ_k weight[t, k] · expert_{index[t, k]}(x[t])` for tokens `x [T, H]`: each expert runs
+    once on the tokens routed to it (none: not called), accumulated in transformers' eager
+    order (expert by expert, slot by slot within one)."""
+    out = torch.zeros_like(x)
+    routed = top_k_index.T  # [K, T]: (slot, token) pairs in the order the eager loop visits them
+    for e, expert in enumerate(experts):
+        slot, token = torch.where(routed == e)
+        if token.numel() == 0:
+            continue
+        y = expert(x[token]) * top_k_weights[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
 
 
 def _linear(weight: torch.Tensor) -> nn.Linear:

@@ -25,10 +25,12 @@ from quantlab.quant.scheme import ActivationScheme, KVCacheScheme, scheme_from_e
 from quantlab.runner.codes import InputQuant
 from quantlab.runner.kv import KVQuant
 from quantlab.runner.linear import Concat, build_linear, fuse
-from quantlab.runner.model import MLP, Attention, Block, Decoder, ModelArgs, RMSNorm, Transformer
+from quantlab.runner.config import ModelArgs
+from quantlab.runner.model import MLP, Attention, Block, Decoder, RMSNorm, Transformer
+from quantlab.runner.moe import MoE
 
-QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
+QKV = ("q_proj", "k_proj", "v_proj")
+GATE_UP = ("gate_proj", "up_proj")
 
 
 def canonical_dir(path: Path) -> Path | None:
@@ -89,6 +91,7 @@ def build_runner(config: Any, tensors: dict[str, torch.Tensor], quantized: dict[
                  fused: bool = True) -> Transformer:
     args = ModelArgs.from_hf(config)
     device = torch.device(device)
+    tensors = unfused_expert_tensors(tensors)
     acts = _input_quant(quant_config, scales)
     kv = _kv_quant(quant_config, scales)
     get = _Tensors(tensors, dtype, device)
@@ -103,15 +106,33 @@ def build_runner(config: Any, tensors: dict[str, torch.Tensor], quantized: dict[
         parts = [linear(f"{prefix}.{n}") for n in names]
         return fuse(parts) if fused else Concat(parts)
 
+    def norm(name: str) -> RMSNorm:
+        return RMSNorm(get(f"{name}.weight"), args.rms_norm_eps, args.norm_offset)
+
+    def mlp(prefix: str) -> MLP:
+        return MLP(group(prefix, GATE_UP), linear(f"{prefix}.down_proj"), args.activation)
+
+    def feed_forward(p: str) -> nn.Module:
+        if args.moe is None:
+            return mlp(f"{p}.mlp")
+        shared = args.moe.shared_expert
+        return MoE(args.moe, get(f"{p}.mlp.gate.weight"),
+                   [mlp(f"{p}.mlp.experts.{e}") for e in range(args.moe.num_experts)],
+                   mlp(f"{p}.mlp.shared_expert") if shared else None,
+                   linear(f"{p}.mlp.shared_expert_gate") if shared else None)
+
     blocks = []
     for i in range(args.num_layers):
         p = f"model.layers.{i}"
-        attn = Attention(args, group(p, QKV), linear(f"{p}.self_attn.o_proj"), kv.get(f"{p}.self_attn"))
-        blocks.append(Block(RMSNorm(get(f"{p}.input_layernorm.weight"), args.rms_norm_eps), attn,
-                            RMSNorm(get(f"{p}.post_attention_layernorm.weight"), args.rms_norm_eps),
-                            MLP(group(p, GATE_UP), linear(f"{p}.mlp.down_proj"))))
+        qk_norms = (norm(f"{p}.self_attn.q_norm"), norm(f"{p}.self_attn.k_norm")) if args.qk_norm else ()
+        attn = Attention(args, group(f"{p}.self_attn", QKV), linear(f"{p}.self_attn.o_proj"),
+                         kv.get(f"{p}.self_attn"), *qk_norms)
+        sandwich = (norm(f"{p}.pre_feedforward_layernorm"), norm(f"{p}.post_feedforward_layernorm")) \
+            if args.sandwich_norms else ()
+        blocks.append(Block(norm(f"{p}.input_layernorm"), attn, norm(f"{p}.post_attention_layernorm"),
+                            feed_forward(p), args.layer_type(i), *sandwich))
     embed = nn.Embedding.from_pretrained(get("model.embed_tokens.weight"), freeze=True)
-    decoder = Decoder(embed, blocks, RMSNorm(get("model.norm.weight"), args.rms_norm_eps))
+    decoder = Decoder(embed, blocks, norm("model.norm"))
     if "lm_head" in quantized or "lm_head.weight" in tensors:
         lm_head = linear("lm_head")
     elif args.tie_word_embeddings:
@@ -121,6 +142,24 @@ def build_runner(config: Any, tensors: dict[str, torch.Tensor], quantized: dict[
     else:
         raise UserError("model: no lm_head.weight and tie_word_embeddings is false")
     return Transformer(args, decoder, lm_head).eval()
+
+
+def unfused_expert_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight` in place of transformers' fused
+    `mlp.experts.gate_up_proj [E, 2I, H]` / `mlp.experts.down_proj [E, H, I]` (a float model
+    in memory); the canonical form already names experts one by one."""
+    fused = [name[: -len(".gate_up_proj")] for name in tensors if name.endswith("mlp.experts.gate_up_proj")]
+    if not fused:
+        return tensors
+    out = dict(tensors)
+    for prefix in fused:
+        gate_up, down = out.pop(f"{prefix}.gate_up_proj"), out.pop(f"{prefix}.down_proj")
+        inter = down.shape[-1]
+        for e in range(gate_up.shape[0]):
+            out[f"{prefix}.{e}.gate_proj.weight"] = gate_up[e, :inter]
+            out[f"{prefix}.{e}.up_proj.weight"] = gate_up[e, inter:]
+            out[f"{prefix}.{e}.down_proj.weight"] = down[e]
+    return out
 
 
 class _Tensors:

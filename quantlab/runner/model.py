@@ -1,7 +1,10 @@
-"""The runner's decoder: llama / qwen2 (and mistral without a sliding window) in plain PyTorch.
+"""The runner's decoder in plain PyTorch: llama, mistral, qwen2/3, gemma3 and their MoE kin.
 
 Modelled on gpt-fast: RMSNorm, RoPE from a precomputed table, GQA attention over a static KV
-cache, SwiGLU MLP, q/k/v and gate/up each fused into one GEMM where the backends allow.
+cache, gated MLP (or routed experts, `quantlab.runner.moe`), q/k/v and gate/up each fused into
+one GEMM where the backends allow. The family switches (`quantlab.runner.config.ModelArgs`):
+per-head q/k norms, Gemma's `1 + weight` norms, scaled embeddings and sandwich norms, GELU,
+sliding-window layers (a banded mask over the same static cache, their own RoPE table).
 Module names follow transformers (`model.layers.N.self_attn…`) so the canonical form's tensor
 names map directly and verification can hook the same layers on both sides.
 
@@ -14,7 +17,6 @@ the batch) and attends over the first `attend_len` cache positions (all, under C
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -25,71 +27,11 @@ from quantlab.kernels import ops
 from quantlab.kernels.layout import PackedWNA16
 from quantlab.kernels.ops import Epilogue
 from quantlab.quant.activations import compute_dtype
+from quantlab.runner.config import FULL, SLIDING, ModelArgs, RopeArgs
 from quantlab.runner.kv import KVCache, KVQuant
 from quantlab.runner.linear import WNA16Linear
 
-SUPPORTED = ("llama", "qwen2", "mistral")
 ATTENTION = ("torch", "triton")
-
-
-@dataclass(frozen=True)
-class RopeArgs:
-    theta: float = 10000.0
-    type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-
-@dataclass(frozen=True)
-class ModelArgs:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope: RopeArgs
-    tie_word_embeddings: bool
-
-    @classmethod
-    def from_hf(cls, config) -> "ModelArgs":
-        """From a transformers config (llama, qwen2, mistral); unsupported features are UserErrors."""
-        mt = getattr(config, "model_type", None)
-        if mt not in SUPPORTED:
-            raise UserError(f"model: the runner supports {', '.join(SUPPORTED)}, got model_type {mt!r}")
-        if mt == "mistral" and getattr(config, "sliding_window", None):
-            raise UserError("model: the runner has no sliding-window attention (mistral sliding_window is set)")
-        heads = config.num_attention_heads
-        return cls(
-            model_type=mt, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers,
-            num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-            rms_norm_eps=config.rms_norm_eps, rope=_rope_args(config),
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        )
-
-
-def _rope_args(config) -> RopeArgs:
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    legacy = getattr(config, "rope_scaling", None) or {}
-    params = {**legacy, **params}
-    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if kind not in ("default", "linear", "llama3"):
-        raise UserError(f"model: RoPE type {kind!r} is not supported by the runner (default, linear, llama3)")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise UserError("model: partial rotary embeddings are not supported by the runner")
-    return RopeArgs(theta=float(theta), type=kind, factor=float(params.get("factor", 1.0)),
-                    low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-                    high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-                    original_max_position_embeddings=int(params.get(
-                        "original_max_position_embeddings", getattr(config, "max_position_embeddings", 8192))))
 
 
 def inv_frequencies(rope: RopeArgs, head_dim: int) -> torch.Tensor:
@@ -116,22 +58,31 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, weight: torch.Tensor, eps: float):
+    """`weight · x / rms(x)`; with an `offset` (Gemma) the gain is `offset + weight`, applied in
+    float32 before the cast back, as transformers computes it."""
+
+    def __init__(self, weight: torch.Tensor, eps: float, offset: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
-        self.eps = eps
+        self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (h * (self.weight.float() + self.offset)).to(x.dtype)
         return self.weight * h.to(x.dtype)
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, qkv: nn.Module, o_proj: nn.Module, kv_quant: KVQuant | None):
+    def __init__(self, args: ModelArgs, qkv: nn.Module, o_proj: nn.Module, kv_quant: KVQuant | None,
+                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None):
         super().__init__()
         self.qkv, self.o_proj = qkv, o_proj
+        self.q_norm, self.k_norm = q_norm, k_norm  # per head, before RoPE (Qwen3, Gemma 3)
         self.heads, self.kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        # Attention kernels scale q·k by 1/sqrt(d); another softmax scale is folded into q.
+        self.q_factor = 1.0 if args.query_scale is None else args.query_scale * math.sqrt(args.head_dim)
         self.kv_quant = kv_quant
         self.kv_cache: KVCache | None = None
         self.fused_decode = False  # decode steps through kernels/triton_attention (Transformer.set_attention)
@@ -141,10 +92,14 @@ class Attention(nn.Module):
         b, length, _ = x.shape
         d, h, kvh = self.head_dim, self.heads, self.kv_heads
         q, k, v = self.qkv(x).split([h * d, kvh * d, kvh * d], dim=-1)
-        q = q.view(b, length, h, d).transpose(1, 2)
-        k = k.view(b, length, kvh, d).transpose(1, 2)
+        q, k = q.view(b, length, h, d), k.view(b, length, kvh, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, length, kvh, d).transpose(1, 2)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        if self.q_factor != 1.0:
+            q = q * self.q_factor
         if length == 1 and self.fused_decode and ops.decode_attention_ok(q):
             cache = self.kv_cache
             cache.write(input_pos, k, v)
@@ -171,10 +126,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return (probs @ v).reshape(b, h, 1, d)
 
 
+def activate(gate: torch.Tensor, kind: str) -> torch.Tensor:
+    """The gated MLP's activation: SiLU (SwiGLU) or tanh-approximated GELU (GeGLU)."""
+    return F.gelu(gate, approximate="tanh") if kind == "gelu_tanh" else F.silu(gate)
+
+
 class MLP(nn.Module):
-    def __init__(self, gate_up: nn.Module, down_proj: nn.Module):
+    def __init__(self, gate_up: nn.Module, down_proj: nn.Module, activation: str = "silu"):
         super().__init__()
-        self.gate_up, self.down_proj = gate_up, down_proj
+        self.gate_up, self.down_proj, self.activation = gate_up, down_proj, activation
         self.interleaved = False  # gate_up's columns alternate gate, up (`interleave_gate_up`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -183,7 +143,7 @@ class MLP(nn.Module):
             gate, up = y[..., 0::2], y[..., 1::2]
         else:
             gate, up = y.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(activate(gate, self.activation) * up)
 
     def interleave_gate_up(self) -> None:
         """Reorder gate_up's output columns to gate₀, up₀, gate₁, up₁, … so that one GEMV tile
@@ -199,14 +159,27 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, input_layernorm: RMSNorm, self_attn: Attention, post_attention_layernorm: RMSNorm, mlp: MLP):
+    """A decoder layer. Pre-norm (llama): `post_attention_layernorm` norms the MLP's input.
+    Sandwich (Gemma, both extra norms given): it norms the attention's output, and
+    `pre_feedforward_layernorm` / `post_feedforward_layernorm` the MLP's input and output."""
+
+    def __init__(self, input_layernorm: RMSNorm, self_attn: Attention, post_attention_layernorm: RMSNorm,
+                 mlp: nn.Module, kind: str = FULL, pre_feedforward_layernorm: RMSNorm | None = None,
+                 post_feedforward_layernorm: RMSNorm | None = None):
         super().__init__()
         self.input_layernorm, self.self_attn = input_layernorm, self_attn
         self.post_attention_layernorm, self.mlp = post_attention_layernorm, mlp
+        self.pre_feedforward_layernorm = pre_feedforward_layernorm
+        self.post_feedforward_layernorm = post_feedforward_layernorm
+        self.kind = kind  # FULL or SLIDING: which mask and RoPE table the layer takes
 
     def forward(self, x, cos, sin, mask, input_pos, attend_len):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos, attend_len)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos, attend_len)
+        if self.pre_feedforward_layernorm is None:
+            h = x + attn
+            return h + self.mlp(self.post_attention_layernorm(h))
+        h = x + self.post_attention_layernorm(attn)
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
     def fused_step(self, x: torch.Tensor, xw: torch.Tensor, next_norm: torch.Tensor | None,
                    rope: tuple[torch.Tensor, torch.Tensor], start: torch.Tensor,
@@ -227,9 +200,15 @@ class Block(nn.Module):
         return ops.wna16_gemv_epilogue(act, mlp.down_proj.packed, Epilogue.RESIDUAL, h, next_norm)
 
     def fusable(self) -> bool:
-        """Whether `fused_step` takes this layer: W4A16/W8A16 GEMV-able linears without act-order,
-        biases only on q/k/v, a compute-dtype KV cache, a power-of-2 head size up to 128."""
+        """Whether `fused_step` takes this layer: a llama-style layer (global attention, SwiGLU,
+        no q/k norms), W4A16/W8A16 GEMV-able linears without act-order, biases only on q/k/v,
+        a compute-dtype KV cache, a power-of-2 head size up to 128."""
         attn, mlp = self.self_attn, self.mlp
+        plain = (self.kind == FULL and self.pre_feedforward_layernorm is None and attn.q_norm is None
+                 and attn.q_factor == 1.0 and self.input_layernorm.offset == 0.0
+                 and isinstance(mlp, MLP) and mlp.activation == "silu")
+        if not plain:
+            return False
         linears = (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj)
         d = attn.head_dim
         return (all(isinstance(m, WNA16Linear) and m.packed.gemv_ok and m.packed.perm is None for m in linears)
@@ -289,10 +268,12 @@ class Transformer(nn.Module):
             for layer in self.model.layers:
                 attn = layer.self_attn
                 attn.kv_cache = KVCache(batch, a.num_kv_heads, max_seq_len, a.head_dim, self.dtype, dev, attn.kv_quant)
-            freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float), inv_frequencies(a.rope, a.head_dim))
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self.register_buffer("rope_cos", emb.cos().to(dev), persistent=False)
-            self.register_buffer("rope_sin", emb.sin().to(dev), persistent=False)
+            for suffix, rope in (("", a.rope), ("_local", a.rope_local)):
+                if rope is not None:
+                    freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float), inv_frequencies(rope, a.head_dim))
+                    emb = torch.cat((freqs, freqs), dim=-1)
+                    self.register_buffer("rope_cos" + suffix, emb.cos().to(dev), persistent=False)
+                    self.register_buffer("rope_sin" + suffix, emb.sin().to(dev), persistent=False)
             self.register_buffer("pad", torch.zeros(batch, dtype=torch.long, device=dev), persistent=False)
             self.max_batch, self.max_seq_len = batch, max_seq_len
         self.pad.zero_()
@@ -309,13 +290,21 @@ class Transformer(nn.Module):
             raise RuntimeError("call setup_caches(batch, max_seq_len) before the forward pass")
         if self.fused_layers and idx.shape == (1, 1):
             return self._fused_decode_step(idx, input_pos)
-        mask = self._mask(input_pos, attend_len or self.max_seq_len)
-        x = self.model.embed_tokens(idx)
-        cos, sin = self._rope(input_pos, x.dtype)
+        x = self.embed(idx)
+        kinds = {layer.kind for layer in self.model.layers}
+        masks = {kind: self._mask(input_pos, attend_len or self.max_seq_len, kind) for kind in kinds}
+        ropes = {kind: self._rope(input_pos, x.dtype, kind) for kind in kinds}
         for layer in self.model.layers:
-            x = layer(x, cos, sin, mask, input_pos, attend_len)
+            x = layer(x, *ropes[layer.kind], masks[layer.kind], input_pos, attend_len)
         x = self.model.norm(x[:, -1:] if last_only else x)
         return self.lm_head(x)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token embeddings, times the family's embedding scale (Gemma: sqrt(hidden), in the
+        weights' dtype as transformers rounds it)."""
+        x = self.model.embed_tokens(idx)
+        scale = self.args.embed_scale
+        return x if scale == 1.0 else x * torch.tensor(scale, dtype=x.dtype)
 
     def _fused_decode_step(self, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         """Logits `[1, 1, vocab]` of one token at batch 1 through `Block.fused_step`: no mask
@@ -328,16 +317,24 @@ class Transformer(nn.Module):
             x, xw = layer.fused_step(x, xw, next_norm, (self.rope_cos, self.rope_sin), self.pad, input_pos)
         return self.lm_head(self.model.norm(x.view(1, 1, -1)))
 
-    def _rope(self, input_pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(self, input_pos: torch.Tensor, dtype: torch.dtype, kind: str = FULL) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin `[B, 1, L, D]`; sliding-window layers take their own table where the family
+        has one (Gemma 3's local RoPE base)."""
+        local = kind == SLIDING and self.args.rope_local is not None
+        cos, sin = (self.rope_cos_local, self.rope_sin_local) if local else (self.rope_cos, self.rope_sin)
         pos = (input_pos[None, :] - self.pad[:, None]).clamp(min=0)  # [B, L]: 0 at each row's first token
-        return self.rope_cos[pos].to(dtype)[:, None], self.rope_sin[pos].to(dtype)[:, None]
+        return cos[pos].to(dtype)[:, None], sin[pos].to(dtype)[:, None]
 
-    def _mask(self, input_pos: torch.Tensor, length: int) -> torch.Tensor:
-        """`[B, 1, L, S]`: causal, no pad keys; a position always sees itself (pad queries stay
-        finite, so nothing undefined reaches the cache)."""
+    def _mask(self, input_pos: torch.Tensor, length: int, kind: str = FULL) -> torch.Tensor:
+        """`[B, 1, L, S]`: causal, no pad keys, and for sliding-window layers only keys less than
+        the window behind; a position always sees itself (pad queries stay finite, so nothing
+        undefined reaches the cache)."""
         keys = torch.arange(length, device=input_pos.device)
         q = input_pos[:, None]
-        mask = (keys[None, :] <= q)[None] & (keys[None, None, :] >= self.pad[:, None, None])
+        visible = keys[None, :] <= q
+        if kind == SLIDING:
+            visible &= keys[None, :] > q - self.args.sliding_window
+        mask = visible[None] & (keys[None, None, :] >= self.pad[:, None, None])
         return (mask | (keys[None, :] == q)[None])[:, None]
 
     @torch.no_grad()
