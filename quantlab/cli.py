@@ -240,7 +240,7 @@ def list_models() -> None:
 
     table = Table("alias", "from", "description")
     for m in BUILTIN_MODELS.values():
-        table.add_row(m.alias, f"PyPI {m.pypi_package}=={m.version}", m.description)
+        table.add_row(m.alias, m.source, m.description)
     console.print(table)
 
 

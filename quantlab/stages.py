@@ -123,7 +123,8 @@ def _evaluate(ctx: RunContext, model: torch.nn.Module, label: str, output: str) 
     assert ppl is not None
     stream = eval_tokens(ctx)
     with step(f"perplexity ({label})") as update:
-        result = perplexity(model, stream, ppl.seq_len, ppl.max_windows, ctx.device, on_window=update)
+        result = perplexity(model, stream, ppl.seq_len, ppl.max_windows, ctx.device, on_window=update,
+                            bos=sampling.bos_prefix(ctx.tokenizer))
     _write_perplexity(ctx, result, label, output)
 
 
@@ -156,12 +157,13 @@ def evaluate_quantized(ctx: RunContext) -> None:
     if not (ppl.baseline and ppl.kl_divergence):
         _evaluate(ctx, _fake_quant_model(ctx), "quantized", PPL_QUANT)
         return
-    stream = eval_tokens(ctx)
+    stream, bos = eval_tokens(ctx), sampling.bos_prefix(ctx.tokenizer)
     model = _fake_quant_model(ctx)
     with step("perplexity and divergence from float (quantized)") as update:
         result = divergence(ctx.float_model(), model, stream, ppl.seq_len, ppl.max_windows, ctx.device,
-                            on_window=update)
-    quantized = PerplexityResult.of(result.candidate_mean_nll, result.windows, stream, ppl.seq_len, result.seconds)
+                            on_window=update, bos=bos)
+    quantized = PerplexityResult.of(result.candidate_mean_nll, result.windows, stream, ppl.seq_len,
+                                    result.seconds, bos)
     _write_perplexity(ctx, quantized, "quantized", PPL_QUANT)
     write_text_atomic(ctx.run.resolve(DIVERGENCE), json.dumps(result.to_dict(), indent=2) + "\n")
     console.print(f"divergence: KL(float ‖ quantized) mean {result.mean_kld:.5f}, p99 {result.p99_kld:.5f}; "
@@ -309,7 +311,8 @@ def verify(ctx: RunContext) -> None:
     if spec.perplexity_windows:
         with step(f"verify: perplexity, {spec.perplexity_windows} windows × {spec.seq_len}"):
             result["perplexity"] = rv.perplexity_pair(runner, reference, stream, spec.seq_len,
-                                                      spec.perplexity_windows, device)
+                                                      spec.perplexity_windows, device,
+                                                      sampling.bos_prefix(ctx.tokenizer))
     result.update(device=str(device), dtype="float64" if exact else ctx.recipe.model.dtype)
     write_text_atomic(ctx.run.resolve(VERIFY), json.dumps(result, indent=2) + "\n")
     console.print(f"verify: greedy agreement {100 * result['greedy_agreement']:.2f}%, "

@@ -86,3 +86,41 @@ def test_random_windows_stream_shorter_than_window_names_seq_len(tokenizer) -> N
     tiny = ["A very short document .\n"]
     with pytest.raises(UserError, match=r"^calibration\.seq_len: 64 tokens per sample"):
         sample(tiny, tokenizer, spec("random_windows", num_samples=2, seq_len=64), seed=0)
+
+
+@pytest.fixture(scope="module")
+def bos_tokenizer(tokenizer):
+    """The tiny tokenizer, made to start every text with a BOS token (as Gemma's and Llama 3's do)."""
+    import copy
+
+    from tokenizers import processors
+
+    tok = copy.deepcopy(tokenizer)
+    tok.add_special_tokens({"bos_token": "<|endoftext|>"})
+    bos = tok.bos_token_id
+    tok._tokenizer.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A",
+                                                                 special_tokens=[("<|endoftext|>", bos)])
+    assert tok("a").input_ids[0] == bos
+    return tok
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_windows_start_with_bos_when_the_tokenizer_adds_it(strategy, docs, tokenizer, bos_tokenizer) -> None:
+    from quantlab.data.sampling import bos_prefix
+
+    bos = bos_prefix(bos_tokenizer)
+    assert bos is not None and bos_prefix(tokenizer) is None
+    ids = sample(docs, bos_tokenizer, spec(strategy), seed=0).input_ids
+    assert ids.shape == (6, 48) and (ids[:, 0] == bos).all() and not (ids[:, 1:] == bos).all(dim=1).any()
+
+
+def test_perplexity_windows_with_bos_score_every_stream_token(docs, bos_tokenizer) -> None:
+    from quantlab.data.sampling import bos_prefix
+    from quantlab.eval.perplexity import windows_of
+
+    stream = tokenize_joined(docs, bos_tokenizer)
+    bos = bos_prefix(bos_tokenizer)
+    windows = windows_of(stream, 48, 3, bos)
+    assert windows.shape == (3, 48) and (windows[:, 0] == bos).all()
+    assert torch.equal(windows[:, 1:].flatten(), stream[: 3 * 47])  # consecutive, none skipped
+    assert torch.equal(windows_of(stream, 48, 3), stream[: 3 * 48].view(3, 48))

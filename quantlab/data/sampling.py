@@ -8,6 +8,9 @@ Strategies:
   * `per_document` — one window from the start of each document long enough, a seeded
     random subset of those documents (keeps document boundaries, e.g. for chat data).
 Every sample has exactly `seq_len` tokens, so the engine can batch them without padding.
+A model whose tokenizer starts every text with a BOS token (Gemma, Llama 3) gets it as the
+first token of every window (`bos_prefix`): a window without it is not an input the model was
+trained on, and the first position's activations (the attention sink) would be off.
 """
 
 from __future__ import annotations
@@ -27,6 +30,22 @@ class CalibrationSet:
     source_tokens: int  # tokens available in the source, for the record
 
 
+def bos_prefix(tokenizer: Any) -> int | None:
+    """The BOS id when the tokenizer puts it before encoded text by default, else None."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    ids = tokenizer("a").input_ids
+    return bos if ids and ids[0] == bos else None
+
+
+def with_bos(windows: torch.Tensor, bos: int | None) -> torch.Tensor:
+    """`[n, L]` windows as `[n, L + 1]` with `bos` first (unchanged when `bos` is None)."""
+    if bos is None:
+        return windows
+    return torch.cat([torch.full((windows.shape[0], 1), bos, dtype=windows.dtype), windows], dim=1)
+
+
 def tokenize_joined(docs: list[str], tokenizer: Any) -> torch.Tensor:
     ids = tokenizer("\n\n".join(docs), return_tensors="pt", add_special_tokens=False).input_ids[0]
     return ids.to(torch.int64)
@@ -34,9 +53,11 @@ def tokenize_joined(docs: list[str], tokenizer: Any) -> torch.Tensor:
 
 def sample(docs: list[str], tokenizer: Any, spec: CalibrationSpec, seed: int) -> CalibrationSet:
     gen = torch.Generator().manual_seed(seed)
-    n, length = spec.num_samples, spec.seq_len
+    bos = bos_prefix(tokenizer)
+    n, length = spec.num_samples, spec.seq_len - (bos is not None)
     if spec.strategy == "per_document":
-        return _per_document(docs, tokenizer, n, length, gen)
+        calib = _per_document(docs, tokenizer, n, length, gen)
+        return CalibrationSet(with_bos(calib.input_ids, bos), calib.source_tokens)
     stream = tokenize_joined(docs, tokenizer)
     if spec.strategy == "random_windows":
         if stream.numel() <= length:
@@ -50,7 +71,7 @@ def sample(docs: list[str], tokenizer: Any, spec: CalibrationSpec, seed: int) ->
                             f"seq_len, or use strategy random_windows")
         starts = torch.randperm(chunks, generator=gen)[:n].sort().values * length
     windows = torch.stack([stream[s : s + length] for s in starts.tolist()])
-    return CalibrationSet(windows, stream.numel())
+    return CalibrationSet(with_bos(windows, bos), stream.numel())
 
 
 def _per_document(docs: list[str], tokenizer: Any, n: int, length: int, gen: torch.Generator) -> CalibrationSet:

@@ -52,9 +52,10 @@ def divergence(
     max_windows: int | None = None,
     device: torch.device = torch.device("cpu"),
     on_window: Callable[[int, int], None] | None = None,
+    bos: int | None = None,
 ) -> DivergenceResult:
     start = time.perf_counter()
-    windows = windows_of(stream, seq_len, max_windows)
+    windows = windows_of(stream, seq_len, max_windows, bos)
     per_token: list[torch.Tensor] = []
     agree, nll = 0, 0.0
     for i, window in enumerate(windows):

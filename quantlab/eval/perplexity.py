@@ -3,7 +3,9 @@
 Join the documents with "\\n\\n", tokenize once, cut into non-overlapping windows of
 `seq_len` tokens (the tail shorter than a window is dropped), score every token after the
 first of each window, and report exp(mean NLL) with the window and token counts so results
-are comparable across tools. `max_windows` evaluates the first k windows only.
+are comparable across tools. `max_windows` evaluates the first k windows only. For a model
+whose tokenizer starts texts with BOS (`bos`), each window is BOS + `seq_len − 1` tokens of
+the stream, all of them scored (llama.cpp's perplexity does the same).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from quantlab.data.sampling import with_bos
 from quantlab.errors import UserError
 
 
@@ -34,21 +37,24 @@ class PerplexityResult:
         return asdict(self)
 
     @classmethod
-    def of(cls, mean_nll: float, windows: int, stream: torch.Tensor, seq_len: int, seconds: float) -> "PerplexityResult":
+    def of(cls, mean_nll: float, windows: int, stream: torch.Tensor, seq_len: int, seconds: float,
+           bos: int | None = None) -> "PerplexityResult":
         """The result of `windows` windows of `stream` whose scored tokens averaged `mean_nll`."""
         return cls(perplexity=math.exp(mean_nll), mean_nll=mean_nll, windows=windows,
-                   windows_available=stream.numel() // seq_len, seq_len=seq_len,
+                   windows_available=stream.numel() // (seq_len - (bos is not None)), seq_len=seq_len,
                    tokens_scored=windows * (seq_len - 1), tokens_total=stream.numel(), seconds=round(seconds, 2))
 
 
-def windows_of(stream: torch.Tensor, seq_len: int, max_windows: int | None) -> torch.Tensor:
-    available = stream.numel() // seq_len
+def windows_of(stream: torch.Tensor, seq_len: int, max_windows: int | None, bos: int | None = None) -> torch.Tensor:
+    """`[count, seq_len]` consecutive windows of the stream (BOS first in each when given)."""
+    step = seq_len - (bos is not None)
+    available = stream.numel() // step
     if available == 0:
         # Bad input, not a bug: one line naming the field, no traceback (UserError).
         raise UserError(f"evaluate.perplexity.seq_len: the evaluation data has {stream.numel()} tokens, "
                         f"fewer than one window of {seq_len}; lower seq_len or use a larger dataset")
     count = min(available, max_windows) if max_windows else available
-    return stream[: count * seq_len].view(count, seq_len)
+    return with_bos(stream[: count * step].view(count, step), bos)
 
 
 @torch.no_grad()
@@ -59,9 +65,10 @@ def perplexity(
     max_windows: int | None = None,
     device: torch.device = torch.device("cpu"),
     on_window: Callable[[int, int], None] | None = None,
+    bos: int | None = None,
 ) -> PerplexityResult:
     start = time.perf_counter()
-    windows = windows_of(stream, seq_len, max_windows)
+    windows = windows_of(stream, seq_len, max_windows, bos)
     model.to(device)
     total_nll = 0.0
     for i, window in enumerate(windows):
@@ -71,4 +78,4 @@ def perplexity(
         if on_window:
             on_window(i + 1, len(windows))
     mean = total_nll / (len(windows) * (seq_len - 1))
-    return PerplexityResult.of(mean, len(windows), stream, seq_len, time.perf_counter() - start)
+    return PerplexityResult.of(mean, len(windows), stream, seq_len, time.perf_counter() - start, bos)

@@ -143,10 +143,10 @@ def _span(prompts: Sequence[Sequence[int]]) -> list[int]:
 
 
 def perplexity_pair(runner: Transformer, reference: nn.Module, stream: torch.Tensor, seq_len: int,
-                    windows: int, device: torch.device) -> dict[str, Any]:
+                    windows: int, device: torch.device, bos: int | None = None) -> dict[str, Any]:
     """Perplexity of runner and reference on the same first `windows` windows of `stream`."""
-    ours = perplexity(RunnerLM(runner), stream, seq_len, windows, device)
-    ref = perplexity(reference, stream, seq_len, windows, device)
+    ours = perplexity(RunnerLM(runner), stream, seq_len, windows, device, bos=bos)
+    ref = perplexity(reference, stream, seq_len, windows, device, bos=bos)
     return {"runner": ours.to_dict(), "fake_quant": ref.to_dict(),
             "rel_diff_pct": 100 * (ours.perplexity / ref.perplexity - 1)}
 
