@@ -1,8 +1,9 @@
-"""Mixture-of-experts models (Mixtral, Qwen2-MoE): unfusing the experts is exact, the expanded
-ArchSpec names every expert, RTN / GPTQ / AWQ quantize every expert Linear and never the
-router or the shared-expert gate, AWQ's folds keep the float function (router included),
-experts no calibration token reaches still get quantized and are reported, the canonical
-form round-trips, and exporters refuse MoE models by name."""
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE): unfusing the experts is exact, the
+expanded ArchSpec names every expert, RTN / GPTQ / AWQ quantize every expert Linear and never
+the router or the shared-expert gate, AWQ's folds keep the float function (router included),
+experts no calibration token reaches still get quantized and are reported, the canonical form
+round-trips, compressed-tensors / AWQ / GPTQ exports load in transformers and gptqmodel with
+the fake-quant model's logits, and the other exporters refuse MoE models by name."""
 
 from __future__ import annotations
 
@@ -292,12 +293,62 @@ def test_canonical_round_trip_rebuilds_the_quantized_moe_model(canonical):
     assert torch.equal(_logits(loaded, ids), _logits(model, ids))
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_exporters_refuse_moe_models_by_name(canonical, fmt, tmp_path):
+MOE_FORMATS = ("compressed-tensors", "awq", "gptq")
+
+
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if f not in MOE_FORMATS])
+def test_exporters_without_moe_layouts_refuse_by_name(canonical, fmt, tmp_path):
     model_type, _, target = canonical
     with pytest.raises(UserError, match=repr(model_type)):
         api.export(target, tmp_path / "out", fmt)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module", params=MOE_TYPES)
+def symmetric(request, tmp_path_factory, tokenizer) -> tuple[str, Path]:
+    """A W4 g32 symmetric canonical form whose routers are decisive (weights ×30): a random
+    router's near-ties would let last-bit differences between engines pick other experts."""
+    model = unfused_model(request.param, seed=4)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.mul_(30)
+    scheme = WeightScheme(bits=4, symmetric=True, group_size=32)
+    quantized = run_sequential(model, arch_spec_for(model), _ids(), [RTN(scheme)], CPU, batch_size=4)
+    target = tmp_path_factory.mktemp(f"{request.param}-sym") / "quantized"
+    save_canonical(target, model, quantized, tokenizer)
+    return request.param, target
+
+
+def test_compressed_tensors_moe_loads_in_transformers(symmetric, tmp_path):
+    """Per-expert packed tensors under the names transformers' MoE loader merges (Mixtral's
+    `block_sparse_moe.experts.{e}.w1/w3/w2`), routers in `ignore`: the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    model_type, target = symmetric
+    out = tmp_path / "ct"
+    assert api.export(target, out, "compressed-tensors").ok
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ids = _ids(2, 20, seed=6)
+    assert torch.equal(_logits(loaded, ids), _logits(load_fake_quant_model(target), ids))
+    ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+    router = "block_sparse_moe.gate" if model_type == "mixtral" else "mlp.gate"
+    assert f"model.layers.1.{router}" in ignore
+
+
+# one format per family: both share gptqmodel's MoE loader, the dense tests cover each packing
+GPTQMODEL_FORMAT = {"qwen2_moe": "gptq", "qwen3_moe": "awq", "mixtral": "awq"}
+
+
+def test_awq_or_gptq_moe_loads_with_gptqmodel(symmetric, tmp_path):
+    """gptqmodel's MoE layout (`mlp.experts.{e}.gate_proj.qweight`, …) loaded by
+    `GPTQModel.load` in its own environment: fp16 logits as the fake-quant model's."""
+    from test_export_loaders import assert_close_fp16, gptqmodel_logits
+
+    model_type, target = symmetric
+    fmt = GPTQMODEL_FORMAT[model_type]
+    out = tmp_path / fmt
+    assert api.export(target, out, fmt).ok
+    assert_close_fp16(gptqmodel_logits(out, layer_class="Awq" if fmt == "awq" else ""), target)
 
 
 def test_recipe_run_quantizes_a_saved_moe_checkpoint(tmp_path, tokenizer):

@@ -52,7 +52,7 @@ def write(src: Canonical, tmp: Path, final: Path, max_shard_bytes: int | None = 
     check_exportable(src)
     scheme = src.scheme
     qcfg = {"quant_method": "awq", "zero_point": True, "group_size": scheme.group_size or -1, "bits": 4,
-            "version": "gemm", "modules_to_not_convert": src.unquantized_linears() or None}
+            "version": "gemm", "modules_to_not_convert": [*src.unquantized_linears(), *src.router_linears()] or None}
     kwargs = {"max_shard_bytes": max_shard_bytes} if max_shard_bytes else {}
     write_checkpoint(src, tmp, final, NAME, quant_tensors, qcfg, torch.float16,
                      options={"symmetric_zero_point": 8 if scheme.symmetric else None}, **kwargs)

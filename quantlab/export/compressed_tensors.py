@@ -53,6 +53,7 @@ from quantlab.errors import UserError
 from quantlab.export import ct_load_layout
 from quantlab.export.bits import pack_dense, packed_len, unpack_dense
 from quantlab.export.checks import Report
+from quantlab.models.arch import spec_for_config
 from quantlab.export.hf_checkpoint import (start_validation, check_bias, check_layout, load_tensors, read_config,
                                            write_checkpoint)
 from quantlab.export.source import Canonical, check_fingerprints, fingerprint, scale_fingerprints
@@ -108,7 +109,8 @@ def quantization_config(src: Canonical) -> dict[str, Any]:
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights_args(src.scheme, fmt),
                                       "input_activations": acts, "output_activations": None, "format": fmt}},
         "kv_cache_scheme": kv_args(src.kv_cache) if src.kv_cache else None,
-        "ignore": [*([] if src.head_quantized else ["lm_head"]), *src.unquantized_linears()],
+        "ignore": [src.spec.to_checkpoint(name) for name in (*([] if src.head_quantized else ["lm_head"]),
+                                                             *src.unquantized_linears(), *src.router_linears())],
         "quantization_status": "compressed", "sparsity_config": {}, "transform_config": {},
         "global_compression_ratio": None, "version": CT_VERSION,
         **({"dequantize": True} if loads_dense(fmt, src.scheme.symmetric) else {}),
@@ -199,7 +201,7 @@ def write(src: Canonical, tmp: Path, final: Path, max_shard_bytes: int | None = 
     sidecar = {"modules": {n: fingerprint(q, scales=True) for n, q in exact.items()},
                "extra": {"scales": scale_fingerprints(expected_scales(src, dtype))}}
     write_checkpoint(src, tmp, final, NAME, quant_tensors(src, fmt, dtype), quantization_config(src), dtype,
-                     extra=kv_tensors(src, dtype), sidecar=sidecar, **kwargs)
+                     extra=kv_tensors(src, dtype), sidecar=sidecar, family_names=True, **kwargs)
 
 
 # ----------------------------------------------------------------------------- reading
@@ -324,7 +326,8 @@ def validate(path: Path) -> Report:
     if not report.ok:
         return report
     tensors = load_tensors(path)
-    skip = {n for n in qcfg.get("ignore", []) if n != "lm_head"}
+    spec = spec_for_config(config)
+    skip = {spec.from_checkpoint(n) if spec else n for n in qcfg.get("ignore", []) if n != "lm_head"}
 
     def scale_shape(out_f: int, in_f: int) -> tuple[int, ...]:
         return (1,) if strategy == "tensor" else (out_f, 1) if strategy == "channel" else (out_f, in_f // gs)
@@ -375,9 +378,7 @@ def _validate_kv(report: Report, tensors: dict[str, torch.Tensor], config: dict[
                  kv: dict[str, Any]) -> None:
     """k_scale / v_scale on every attention module, `[1]` or one per KV head (GQA: kv heads, not
     query heads)."""
-    from quantlab.models.arch import ARCH_SPECS
-
-    spec = ARCH_SPECS[config["model_type"]]
+    spec = spec_for_config(config)
     kv_heads = int(config.get("num_key_value_heads") or config["num_attention_heads"])
     shape = (kv_heads, 1, 1) if kv["strategy"] == "attn_head" else (1,)
     for i in range(int(config["num_hidden_layers"])):

@@ -33,10 +33,20 @@ class Engine:
 
 ENGINES = {
     "awq": Engine(toolenv.GPTQMODEL, "hf_nll.py", ("--loader", "transformers", "--dtype", "float16")),
+    # transformers builds MoE experts fused and loads no AWQ experts into them: gptqmodel's own
+    # loader keeps them per expert (its MoE layout, `mlp.experts.{e}.gate_proj`)
+    "awq-moe": Engine(toolenv.GPTQMODEL, "hf_nll.py", ("--loader", "gptqmodel", "--dtype", "float16")),
     "gptq": Engine(toolenv.GPTQMODEL, "hf_nll.py", ("--loader", "gptqmodel", "--dtype", "float16")),
     "compressed-tensors": Engine(None, "hf_nll.py", ("--loader", "transformers", "--dtype", "float32")),
     "gguf": Engine(toolenv.LLAMA_CPP, "gguf_nll.py"),
 }
+
+
+def _is_moe(export: Path) -> bool:
+    import json
+
+    config = json.loads((export / "config.json").read_text())
+    return bool(config.get("num_local_experts") or config.get("num_experts"))
 
 
 def python_for(engine: Engine, build: bool = True) -> Path | None:
@@ -51,7 +61,7 @@ def score(export: Path, windows: torch.Tensor, build: bool = True, logits: bool 
     with `logits`, also every window's logits (`result["logits"]`, HF engines only);
     `backend` picks a gptqmodel kernel (BACKEND member name)."""
     family = detect(export)
-    engine = ENGINES[family]
+    engine = ENGINES[f"{family}-moe" if family == "awq" and _is_moe(export) else family]
     python = python_for(engine, build)
     if python is None:
         raise RuntimeError(f"{family}: the {engine.env.name} environment is not built")  # type: ignore[union-attr]

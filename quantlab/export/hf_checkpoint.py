@@ -14,9 +14,9 @@ import torch
 from quantlab.errors import UserError
 from quantlab.export.checks import Report
 from quantlab.export.shards import DEFAULT_MAX_SHARD, check_index, load_sharded, save_sharded
-from quantlab.export.source import (Canonical, copy_side_files, linear_shapes, write_config,
-                                    write_sidecar)
-from quantlab.models.arch import ARCH_SPECS
+from quantlab.export.source import (Canonical, copy_side_files, head_dim, linear_shapes, router_width,
+                                    write_config, write_sidecar)
+from quantlab.models.arch import spec_for_config, supported_types
 from quantlab.quant.primitives import QuantizedWeight
 
 QuantTensors = Callable[[str, QuantizedWeight], dict[str, torch.Tensor]]
@@ -26,9 +26,13 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 def write_checkpoint(src: Canonical, tmp: Path, final: Path, fmt: str, quant_tensors: QuantTensors,
                      quantization_config: dict[str, Any], float_dtype: torch.dtype,
                      max_shard_bytes: int = DEFAULT_MAX_SHARD, options: dict[str, Any] | None = None,
-                     extra: dict[str, torch.Tensor] | None = None, sidecar: dict[str, Any] | None = None) -> None:
+                     extra: dict[str, torch.Tensor] | None = None, sidecar: dict[str, Any] | None = None,
+                     family_names: bool = False) -> None:
     """`extra`: tensors outside any Linear (KV-cache scales on the attention modules);
-    `sidecar`: `modules` / `extra` for `write_sidecar` (default: the codes fingerprints)."""
+    `sidecar`: `modules` / `extra` for `write_sidecar` (default: the codes fingerprints);
+    `family_names`: tensors named as the family's original checkpoints name them
+    (`ArchSpec.to_checkpoint`: Mixtral's `block_sparse_moe`, what transformers and vLLM load),
+    else as quantlab and gptqmodel name them (`mlp.experts.{e}.gate_proj`)."""
     tensors: dict[str, torch.Tensor] = {}
     for name, t in src.tensors.items():
         tensors[name] = t.to(float_dtype) if t.is_floating_point() else t
@@ -36,6 +40,8 @@ def write_checkpoint(src: Canonical, tmp: Path, final: Path, fmt: str, quant_ten
         for suffix, t in quant_tensors(name, qw).items():
             tensors[f"{name}.{suffix}"] = t.contiguous()
     tensors.update({name: t.contiguous() for name, t in (extra or {}).items()})
+    if family_names:
+        tensors = {src.spec.to_checkpoint(name): t for name, t in tensors.items()}
     tmp.mkdir(parents=True)
     save_sharded(dict(sorted(tensors.items())), tmp, max_shard_bytes)
     write_config(src, tmp, quantization_config, dtype=str(float_dtype).removeprefix("torch."))
@@ -62,10 +68,14 @@ def start_validation(path: Path, name: str, quant_method: str) -> tuple[Report, 
 
 
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under quantlab's names (a family's own checkpoint names, such
+    as Mixtral's `block_sparse_moe`, mapped back)."""
     try:
-        return load_sharded(path)
+        tensors = load_sharded(path)
     except FileNotFoundError as exc:
         raise UserError(str(exc)) from None
+    spec = spec_for_config(read_config(path))
+    return tensors if spec is None else {spec.from_checkpoint(name): t for name, t in tensors.items()}
 
 
 def check_layout(report: Report, path: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
@@ -77,9 +87,9 @@ def check_layout(report: Report, path: Path, config: dict[str, Any], tensors: di
     `per_linear` checks its dtype instead of its absence. `head_quantized`: lm_head is one of
     the quantized Linears (untied from the embedding)."""
     check_index(report, path)
-    spec = ARCH_SPECS.get(config.get("model_type", ""))
+    spec = spec_for_config(config)
     if not report.check("architecture", "config.json.model_type", spec is not None,
-                        f"{config.get('model_type')!r} is not one of {', '.join(sorted(ARCH_SPECS))}"):
+                        f"{config.get('model_type')!r} is not one of {', '.join(supported_types())}"):
         return []
     hidden, vocab = int(config["hidden_size"]), int(config["vocab_size"])
     expected = []
@@ -94,8 +104,12 @@ def check_layout(report: Report, path: Path, config: dict[str, Any], tensors: di
                 report.check("quantized, not float", name, f"{name}.weight" not in tensors,
                              "holds a float .weight next to its quantized tensors")
             per_linear(name, out_f, in_f)
-        for norm in ("input_layernorm", "post_attention_layernorm"):
+        for norm in spec.norms:
             report.tensor(tensors, f"{spec.layers}.{i}.{norm}.weight", _FLOATS, (hidden,))
+        for norm in spec.head_norms:
+            report.tensor(tensors, f"{spec.layers}.{i}.{norm}.weight", _FLOATS, (head_dim(config),))
+        for router in spec.float_linears:
+            report.tensor(tensors, f"{spec.layers}.{i}.{router}.weight", _FLOATS, (router_width(config, router), hidden))
     report.tensor(tensors, "model.embed_tokens.weight", _FLOATS, (vocab, hidden))
     report.tensor(tensors, "model.norm.weight", _FLOATS, (hidden,))
     if head_quantized:
@@ -111,6 +125,6 @@ def check_layout(report: Report, path: Path, config: dict[str, Any], tensors: di
 
 
 def check_bias(report: Report, tensors: dict[str, torch.Tensor], config: dict[str, Any], name: str, out_f: int) -> None:
-    spec = ARCH_SPECS[config["model_type"]]
+    spec = spec_for_config(config)
     if spec.qkv_bias and name.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj"):
         report.tensor(tensors, f"{name}.bias", _FLOATS, (out_f,))

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from quantlab.errors import UserError
-from quantlab.models.arch import ARCH_SPECS, ArchSpec
+from quantlab.models.arch import ArchSpec, spec_for_config, supported_types
 from quantlab.quant.canonical import SCALES_FILE, input_absmax_key, kv_absmax_keys
 from quantlab.quant.primitives import QuantizedWeight, default_g_idx
 from quantlab.quant.scheme import ActivationScheme, KVCacheScheme, WeightScheme, scheme_from_entry
@@ -50,12 +50,13 @@ class Canonical:
     def model_type(self) -> str:
         return self.config.get("model_type", "?")
 
-    @property
+    @cached_property
     def spec(self) -> ArchSpec:
-        if self.model_type not in ARCH_SPECS:
+        spec = spec_for_config(self.config)
+        if spec is None:
             raise UserError(f"{self.path}: model_type {self.model_type!r} has no export mapping; "
-                            f"supported: {', '.join(sorted(ARCH_SPECS))}")
-        return ARCH_SPECS[self.model_type]
+                            f"supported: {', '.join(supported_types())}")
+        return spec
 
     @property
     def float_dtype(self) -> torch.dtype:
@@ -100,6 +101,12 @@ class Canonical:
         n_layers = int(self.config["num_hidden_layers"])
         names = [f"{self.spec.layers}.{i}.{lin}" for i in range(n_layers) for lin in self.spec.linears]
         return [n for n in names if n not in self.quantized]
+
+    def router_linears(self) -> list[str]:
+        """MoE routers (`mlp.gate`, Qwen2-MoE's `mlp.shared_expert_gate`): float by design; engines
+        that build them as Linears must be told to leave them unquantized."""
+        n_layers = int(self.config["num_hidden_layers"])
+        return [f"{self.spec.layers}.{i}.{name}" for i in range(n_layers) for name in self.spec.float_linears]
 
     # ------------------------------------------------------------------ activations and KV cache
 
@@ -196,9 +203,25 @@ def linear_shapes(config: dict[str, Any], spec: ArchSpec) -> dict[str, tuple[int
     q, kv = int(config["num_attention_heads"]) * hd, int(config.get("num_key_value_heads") or
                                                             config["num_attention_heads"]) * hd
     shapes = {"self_attn.q_proj": (q, hidden), "self_attn.k_proj": (kv, hidden), "self_attn.v_proj": (kv, hidden),
-              "self_attn.o_proj": (hidden, q), "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
-              "mlp.down_proj": (hidden, inter)}
-    return {name: shapes[name] for name in spec.linears}
+              "self_attn.o_proj": (hidden, q)}
+
+    def mlp_shape(name: str) -> tuple[int, int]:
+        owner, _, kind = name.rpartition(".")
+        width = inter
+        if ".experts." in name:  # Mixtral's experts are intermediate_size wide, Qwen-MoE's moe_intermediate_size
+            width = int(config.get("moe_intermediate_size") or inter)
+        elif owner.endswith("shared_expert"):
+            width = int(config["shared_expert_intermediate_size"])
+        return (hidden, width) if kind == "down_proj" else (width, hidden)
+
+    return {name: shapes[name] if name in shapes else mlp_shape(name) for name in spec.linears}
+
+
+def router_width(config: dict[str, Any], name: str) -> int:
+    """Output width of a float router Linear: one logit per expert, or the shared-expert gate's one."""
+    if name.endswith("shared_expert_gate"):
+        return 1
+    return int(config.get("num_local_experts") or config.get("num_experts"))
 
 
 def copy_side_files(src: Path, dst: Path) -> list[str]:

@@ -16,6 +16,7 @@ Exporters map only `ARCH_SPECS`: they refuse MoE model types with a UserError.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -62,10 +63,31 @@ class ArchSpec:
     # RMSNorms multiply by `norm_offset + weight` (Gemma stores the gain minus one); a fold
     # into such a norm must divide the gain, not the stored weight (`fold_scales`).
     norm_offset: float = 0.0
+    # Float tensors of each layer an export must carry: norms over the hidden size, per-head
+    # norms over head_dim (q/k norms).
+    norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    head_norms: tuple[str, ...] = ()
+    # Module names a family's original checkpoints use where ours differ (layer-relative,
+    # `{e}` the expert): Mixtral's `block_sparse_moe.experts.{e}.w1/w3/w2`, which transformers'
+    # and vLLM's loaders expect in an exported checkpoint.
+    checkpoint_names: tuple[tuple[str, str], ...] = ()
+
+    def to_checkpoint(self, name: str) -> str:
+        """A tensor or module name as the family's checkpoints spell it."""
+        return _rename(name, self.checkpoint_names)
+
+    def from_checkpoint(self, name: str) -> str:
+        return _rename(name, tuple((theirs, ours) for ours, theirs in self.checkpoint_names))
 
     @property
     def linears(self) -> tuple[str, ...]:
         return tuple(name for group in self.sequential for name in group)
+
+    @property
+    def float_linears(self) -> tuple[str, ...]:
+        """Linears that read a scaled producer's output but stay in float (MoE routers)."""
+        quantized = set(self.linears)
+        return tuple(dict.fromkeys(n for g in self.scaling for n in g.linears if n not in quantized))
 
     @property
     def input_sets(self) -> tuple[tuple[str, ...], ...]:
@@ -122,6 +144,13 @@ class ArchSpec:
                             "yet; quantize their weights with rtn, gptq or awq")
 
 
+def _rename(name: str, pairs: tuple[tuple[str, str], ...]) -> str:
+    for old, new in pairs:
+        pattern = r"(?<=\.)" + re.escape(old).replace(re.escape(EXPERT), r"(\d+)") + r"(?=\.|$)"
+        name = re.sub(pattern, new.replace(EXPERT, r"\1"), name)
+    return name
+
+
 def _assign(param: torch.Tensor, value: torch.Tensor) -> None:
     param.copy_(value.to(param.dtype))
 
@@ -155,6 +184,7 @@ HEAD_SPEC = ArchSpec("lm_head", layers="", sequential=(("lm_head",),),
 # Linears (quantlab.models.moe). The router `mlp.gate` and Qwen2-MoE's `mlp.shared_expert_gate`
 # read the post-attention norm's output too: they absorb its scales but stay in float.
 _EXPERT = f"mlp.experts.{EXPERT}"
+QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 _SHARED = "mlp.shared_expert"
 
 ARCH_SPECS: dict[str, ArchSpec] = {
@@ -162,7 +192,7 @@ ARCH_SPECS: dict[str, ArchSpec] = {
     "mistral": ArchSpec("mistral"),
     "qwen2": ArchSpec("qwen2", qkv_bias=True),
     # Per-head q_norm / k_norm sit after q_proj / k_proj: input scales on q/k/v still fold exactly.
-    "qwen3": ArchSpec("qwen3"),
+    "qwen3": ArchSpec("qwen3", head_norms=QK_NORMS),
     # Gemma 3: the attention output and the MLP output are normed again (post_attention_layernorm,
     # post_feedforward_layernorm) before the residual add; those norms feed no Linear. The MLP
     # reads `pre_feedforward_layernorm`; gelu(gate) · up is linear in up per channel, so
@@ -175,6 +205,8 @@ ARCH_SPECS: dict[str, ArchSpec] = {
             ScalingGroup("mlp.up_proj", ("mlp.down_proj",)),
         ),
         norm_offset=1.0,
+        norms=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),
+        head_norms=QK_NORMS,
     ),
 }
 
@@ -187,9 +219,13 @@ _ROUTED_MLP_SCALING = (
 MOE_ARCH_SPECS: dict[str, ArchSpec] = {
     "mixtral": ArchSpec("mixtral", experts="num_local_experts",
                         sequential=(*ATTENTION_SEQUENTIAL, *_ROUTED_MLP_SEQUENTIAL),
-                        scaling=(*ATTENTION_SCALING, *_ROUTED_MLP_SCALING)),
+                        scaling=(*ATTENTION_SCALING, *_ROUTED_MLP_SCALING),
+                        checkpoint_names=((f"{_EXPERT}.gate_proj", "block_sparse_moe.experts.{e}.w1"),
+                                          (f"{_EXPERT}.up_proj", "block_sparse_moe.experts.{e}.w3"),
+                                          (f"{_EXPERT}.down_proj", "block_sparse_moe.experts.{e}.w2"),
+                                          ("mlp.gate", "block_sparse_moe.gate"))),
     # Qwen3-MoE: Qwen3 attention (q/k norms, no bias), routed experts, no shared expert.
-    "qwen3_moe": ArchSpec("qwen3_moe", experts="num_experts",
+    "qwen3_moe": ArchSpec("qwen3_moe", experts="num_experts", head_norms=QK_NORMS,
                           sequential=(*ATTENTION_SEQUENTIAL, *_ROUTED_MLP_SEQUENTIAL),
                           scaling=(*ATTENTION_SCALING, *_ROUTED_MLP_SCALING)),
     "qwen2_moe": ArchSpec(
@@ -213,6 +249,23 @@ MOE_ARCH_SPECS: dict[str, ArchSpec] = {
 }
 
 
+def spec_for_config(config: dict[str, Any]) -> ArchSpec | None:
+    """The spec (experts expanded) of a saved `config.json`; None for an unknown family.
+    transformers saves the expert count under `num_local_experts` or `num_experts`."""
+    model_type = config.get("model_type")
+    if model_type in ARCH_SPECS:
+        return ARCH_SPECS[model_type]
+    spec = MOE_ARCH_SPECS.get(model_type)
+    if spec is None:
+        return None
+    experts = config.get(spec.experts) or config.get("num_local_experts") or config.get("num_experts")
+    return spec.expand(type("Config", (), {spec.experts: int(experts)}))
+
+
+def supported_types() -> list[str]:
+    return sorted({**ARCH_SPECS, **MOE_ARCH_SPECS})
+
+
 def arch_spec_for(model: torch.nn.Module) -> ArchSpec:
     """The model's spec, experts expanded; a MoE model must have unfused experts in every layer."""
     model_type = getattr(model.config, "model_type", None)
@@ -220,7 +273,7 @@ def arch_spec_for(model: torch.nn.Module) -> ArchSpec:
         return ARCH_SPECS[model_type]
     if model_type not in MOE_ARCH_SPECS:
         raise UserError(f"model: architecture {model_type!r} is not supported yet; supported: "
-                        f"{', '.join(sorted({**ARCH_SPECS, **MOE_ARCH_SPECS}))}")
+                        f"{', '.join(supported_types())}")
     spec = MOE_ARCH_SPECS[model_type].expand(model.config)
     _check_linears(model, spec)
     return spec
