@@ -56,6 +56,10 @@ class CalibrationSpec(Strict):
     num_samples: int = Field(default=128, gt=0, le=100_000)
     seq_len: int = Field(default=512, ge=16, le=131_072)
     strategy: Literal["random_windows", "concat_chunk", "per_document"] = "random_windows"
+    all_experts: bool = Field(default=False, description=(
+        "mixture-of-experts models: every expert's statistics (GPTQ Hessian, AWQ Gram, ranges) see every "
+        "calibration token, not only those routed to it; routing and layer outputs are unchanged, so no "
+        "expert is left without calibration (costs one expert forward per token and expert)"))
 
 
 def _scheme_from_preset(value: Any) -> Any:

@@ -33,6 +33,7 @@ def write_report(
     json_path: str, md_path: str, verify: dict[str, Any] | None = None,
     divergence: dict[str, Any] | None = None, rouge: dict[str, Any] | None = None,
     linear_errors: dict[str, Any] | None = None, size_bytes: int | None = None,
+    expert_coverage: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     float_ppl = next((r["perplexity"] for r in results if r["model"] == "float"), None)
     for r in results:
@@ -55,6 +56,8 @@ def write_report(
         payload["rouge"] = rouge
     if linear_errors:
         payload["linear_errors"] = linear_error_summary(linear_errors)
+    if expert_coverage is not None:
+        payload["expert_coverage"] = expert_coverage
     if verify is not None:
         payload["verify"] = verify
     write_text_atomic(run.resolve(json_path), json.dumps(payload, indent=2, ensure_ascii=False) + "\n")
@@ -122,11 +125,28 @@ def _markdown(p: dict[str, Any]) -> str:
                   f"Mean relative output error of the quantized Linears on {p['linear_errors']['tokens_per_linear']} "
                   f"calibration tokens each: {m['quantized']:.4f} as quantized, {m['rtn']:.4f} for plain "
                   "round-to-nearest of the same weights (per Linear: `linear_errors.json`)."]
+    if p.get("expert_coverage"):
+        lines += ["", *_coverage_markdown(p["expert_coverage"])]
     if p.get("verify"):
         lines += ["", *_verify_markdown(p["verify"])]
     versions = ", ".join(f"{k} {v}" for k, v in p["versions"].items())
     lines += ["", f"_{versions}_", ""]
     return "\n".join(lines)
+
+
+def _coverage_markdown(c: dict[str, Any]) -> list[str]:
+    """Tokens routed to the experts of each MoE layer, the experts none reached and their fallback."""
+    how = ("every expert's statistics saw every calibration token (`calibration.all_experts`)" if c["all_experts"]
+           else "each expert's statistics saw only the tokens routed to it")
+    lines = ["## Expert coverage", "",
+             f"{c['experts_unreached']} of {c['experts']} experts got no routed calibration token; {how}.", "",
+             "| experts module | tokens routed | min / max per expert | experts with none |", "|---|---:|---:|---|"]
+    for row in c["layers"]:
+        none = ", ".join(map(str, row["unreached"])) or "—"
+        lines.append(f"| {row['module']} | {row['total']} | {row['min']} / {row['max']} | {none} |")
+    if c["fallbacks"]:
+        lines += ["", "Experts without tokens: " + "; ".join(f"{k}: {v}" for k, v in c["fallbacks"].items()) + "."]
+    return lines
 
 
 def _verify_markdown(v: dict[str, Any]) -> list[str]:

@@ -133,6 +133,27 @@ def _layers(r: dict[str, Any]) -> str:
     return f"<h2>Per-layer quantization error</h2><figure>{_figure(draw)}</figure>"
 
 
+def _experts(r: dict[str, Any]) -> str:
+    """Tokens routed to each expert of each MoE layer as a heat map; experts none reached, and
+    what the stages did for them."""
+    c = r.get("expert_coverage")
+    if not c or not c.get("layers"):
+        return ""
+
+    def draw(ax: Any) -> None:
+        image = ax.imshow([row["tokens"] for row in c["layers"]], aspect="auto", cmap="viridis")
+        ax.set_xlabel("expert")
+        ax.set_ylabel("MoE layer")
+        ax.set_title("Calibration tokens routed to each expert")
+        ax.figure.colorbar(image, ax=ax)
+
+    text = (f"{c['experts_unreached']} of {c['experts']} experts got no routed calibration token"
+            + ("; every expert's statistics saw every token (calibration.all_experts)." if c["all_experts"] else "."))
+    fallbacks = "".join(f"<li>{html.escape(k)}: {html.escape(v)}</li>" for k, v in c["fallbacks"].items())
+    return (f"<h2>Expert coverage</h2><p>{html.escape(text)}</p>"
+            + (f"<ul>{fallbacks}</ul>" if fallbacks else "") + f"<figure>{_figure(draw)}</figure>")
+
+
 def _stage_times(r: dict[str, Any]) -> str:
     times = {k: v for k, v in (r.get("stage_seconds") or {}).items() if v is not None}
     if not times:
@@ -152,7 +173,7 @@ def _stage_times(r: dict[str, Any]) -> str:
 def run_page(report: dict[str, Any], samples: Sequence[dict[str, Any]] = ()) -> str:
     """One run's report; `samples`: `{reference, float, quantized}` summaries to show."""
     sections = [_summary(report), _perplexity(report), _rouge(report, samples), _layers(report),
-                _stage_times(report)]
+                _experts(report), _stage_times(report)]
     versions = ", ".join(f"{k} {v}" for k, v in report.get("versions", {}).items())
     sections.append(f"<p class=\"note\">{html.escape(versions)}</p>")
     return _page(f"quantlab report — {report['recipe']}", sections)

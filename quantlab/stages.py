@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from quantlab.algorithms import build_algorithm
 from quantlab.context import RunContext
 from quantlab.data import sampling, sources as data_sources
+from quantlab.engine.expert_coverage import expert_coverage
 from quantlab.engine.linear_error import LinearErrors
 from quantlab.engine.sequential import run_sequential
 from quantlab.eval import rouge, summaries
@@ -21,6 +22,7 @@ from quantlab.eval.divergence import divergence
 from quantlab.eval.perplexity import PerplexityResult, perplexity
 from quantlab.formats import keeps_folded_weights
 from quantlab.models.arch import arch_spec_for
+from quantlab.models.moe import calibrate_all_experts
 from quantlab.progress import console, step
 from quantlab.algorithms.act_ranges import ActRanges, canonical_entries
 from quantlab.eval.fake_quant import apply_from_canonical, describe
@@ -33,6 +35,7 @@ CALIB_TOKENS = "calib/tokens.safetensors"
 CALIB_INFO = "calib/info.json"
 QUANTIZED = "quantized"
 LINEAR_ERRORS = "reports/linear_errors.json"
+EXPERT_COVERAGE = "reports/expert_coverage.json"
 PPL_FLOAT = "reports/perplexity_float.json"
 PPL_QUANT = "reports/perplexity_quantized.json"
 DIVERGENCE = "reports/divergence.json"
@@ -78,10 +81,12 @@ def quantize(ctx: RunContext) -> None:
     scales: dict[str, torch.Tensor] = {}
     folded = {} if keeps_folded_weights(ctx.recipe.export) else None
     steps = len(spec.decoder_layers(model)) + bool(head)
-    errors = LinearErrors()
+    errors, routed = LinearErrors(), {}
+    all_experts = ctx.recipe.calibration is not None and ctx.recipe.calibration.all_experts
+    calibrate_all_experts(model, all_experts)
     with step(f"quantize ({' → '.join(e.kind for e in ctx.recipe.stages)})", steps) as update:
         quantized = run_sequential(model, spec, ids, algorithms, ctx.device, on_layer=update, scales=scales,
-                                   folded=folded, head_algorithms=head, errors=errors)
+                                   folded=folded, head_algorithms=head, errors=errors, routed=routed)
     seconds = time.perf_counter() - start
     extra = {"stages": [e.dump() for e in ctx.recipe.stages],
              "quantize_seconds": round(seconds, 2), "source_model": ctx.recipe.model.id}
@@ -95,6 +100,11 @@ def quantize(ctx: RunContext) -> None:
         {"tokens_per_linear": errors.tokens, "linears": errors.results}, indent=1) + "\n")
     if ranges is not None:
         _write_scale_tables(target, model, extra, quantized, scales)
+    if routed:
+        coverage = expert_coverage(routed, all_experts, [e.kind for e in ctx.recipe.stages])
+        write_text_atomic(ctx.run.resolve(EXPERT_COVERAGE), json.dumps(coverage, indent=1) + "\n")
+        console.print(f"experts: {coverage['experts_unreached']} of {coverage['experts']} saw no routed "
+                      f"calibration token{' (all calibrated on every token)' if all_experts else ''}")
 
 
 def _write_scale_tables(target: Path, model: torch.nn.Module, quant_config: dict[str, Any],
@@ -334,7 +344,7 @@ def report(ctx: RunContext) -> None:
     size = sum(f.stat().st_size for f in quantized.rglob("*") if f.is_file())
     payload = write_report(ctx.run, ctx.recipe, results, quant_config, REPORT_JSON, REPORT_MD, verify=verify_result,
                            divergence=kld, rouge=rouge_result, linear_errors=_read_json(ctx, LINEAR_ERRORS),
-                           size_bytes=size)
+                           size_bytes=size, expert_coverage=_read_json(ctx, EXPERT_COVERAGE))
     write_text_atomic(ctx.run.resolve(REPORT_HTML), run_page(payload, side_by_side(ctx.run.path) if rouge_spec else []))
 
 

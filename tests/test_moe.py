@@ -26,7 +26,7 @@ from quantlab.errors import UserError
 from quantlab.export import api
 from quantlab.formats import FORMATS
 from quantlab.models.arch import arch_spec_for
-from quantlab.models.moe import Experts, unfuse_experts
+from quantlab.models.moe import Experts, calibrate_all_experts, unfuse_experts
 from quantlab.pipeline import run_recipe
 from quantlab.quant.canonical import load_canonical, load_fake_quant_model, save_canonical
 from quantlab.quant.primitives import quantize_weight
@@ -262,6 +262,22 @@ def test_experts_without_tokens_are_quantized_and_reported(model_type, capsys):
     assert "skipped" in down["mlp.experts.3.up_proj"] and "skipped" not in down["mlp.experts.0.up_proj"]
 
 
+def test_all_experts_calibrates_every_expert_and_keeps_the_outputs():
+    """`calibration.all_experts`: experts 2 and 3, never routed to, get GPTQ Hessians from every
+    token like the others, while routing (counted) and the layer outputs stay the same."""
+    ids = _ids()
+    model = unfused_model("qwen3_moe")
+    _route_to_first_two(model)
+    reference = _logits(model, ids)
+    assert calibrate_all_experts(model, True) == 2
+    torch.testing.assert_close(_logits(model, ids), reference, rtol=1e-6, atol=1e-6)
+    gptq, routed = GPTQ(SCHEME), {}
+    run_sequential(model, arch_spec_for(model), ids, [gptq], CPU, batch_size=4, routed=routed)
+    assert routed == {f"model.layers.{i}.mlp.experts": [256, 256, 0, 0] for i in range(2)}
+    assert {gptq.stats[f"model.layers.{i}.mlp.experts.{e}.{p}_proj"]["tokens"]
+            for i in range(2) for e in range(4) for p in ("gate", "up", "down")} == {256}
+
+
 @pytest.mark.parametrize("stage", [SmoothQuant(), ActRanges()], ids=["smoothquant", "act_ranges"])
 def test_stages_without_moe_support_refuse_by_name(stage):
     model = unfused_model("mixtral")
@@ -368,6 +384,11 @@ def test_recipe_run_quantizes_a_saved_moe_checkpoint(tmp_path, tokenizer):
     run_recipe(recipe)
     modules = json.loads((tmp_path / "run" / "quantized" / "quant_config.json").read_text())["modules"]
     assert len(modules) == 2 * (4 + 3 * 4 + 3) and "model.layers.0.mlp.shared_expert_gate" not in modules
-    results = json.loads((tmp_path / "run" / "reports" / "report.json").read_text())["perplexity"]
+    report = json.loads((tmp_path / "run" / "reports" / "report.json").read_text())
+    results = report["perplexity"]
     assert sorted(r["model"] for r in results) == ["float", "quantized"]
     assert all(0 < r["perplexity"] < float("inf") for r in results)
+    coverage = report["expert_coverage"]  # 4 × 32 calibration tokens, 2 experts each, per layer
+    assert [row["total"] for row in coverage["layers"]] == [256, 256] and coverage["experts"] == 8
+    assert "## Expert coverage" in (tmp_path / "run" / "reports" / "report.md").read_text()
+    assert "Expert coverage" in (tmp_path / "run" / "reports" / "report.html").read_text()

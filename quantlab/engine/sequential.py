@@ -20,6 +20,7 @@ from torch import nn
 
 from quantlab.engine.linear_error import LinearErrors, remove
 from quantlab.models.arch import ArchSpec
+from quantlab.models.moe import counting_routes
 from quantlab.quant.primitives import QuantizedWeight
 
 
@@ -182,6 +183,7 @@ def run_sequential(
     folded: dict[str, torch.Tensor] | None = None,
     head_algorithms: list[LayerAlgorithm] | None = None,
     errors: LinearErrors | None = None,
+    routed: dict[str, list[int]] | None = None,
 ) -> dict[str, QuantizedWeight]:
     """Quantize every decoder layer in order; returns canonical codes keyed by full Linear name.
     Ranges the algorithms put in `ctx.scales` are added to `scales` (if given) under full names;
@@ -189,7 +191,9 @@ def run_sequential(
     won rounded it (scales folded, clipped), in fp16 on the CPU. `head_algorithms` (if any) then
     quantize `lm_head` on the last layer's outputs (`quantize_head`). `errors` (if given) records
     each decoder Linear's output error (`LinearErrors`); data-free stages then still run one
-    calibration batch through the layers to measure it."""
+    calibration batch through the layers to measure it. `routed` (if given) receives, per MoE
+    experts module, the calibration tokens routed to each expert (in the quantized layer's
+    forward that feeds the next layer)."""
     head_algorithms = head_algorithms or []
     observe = not all(getattr(a, "data_free", False) for a in [*algorithms, *head_algorithms])
     track = errors is not None and input_ids.numel() > 0
@@ -212,8 +216,11 @@ def run_sequential(
         _quantize_block(ctx, algorithms, folded)
         if observe or track:
             handles = errors.quantized_hooks(layer) if track else []
-            batches = [Batch(out, b.kwargs, b.layer_kwargs) for out, b in zip(ctx.forward(), batches)]
+            with counting_routes(layer) as counts:
+                batches = [Batch(out, b.kwargs, b.layer_kwargs) for out, b in zip(ctx.forward(), batches)]
             remove(handles)
+            if routed is not None:
+                routed.update({ctx.full_name(name): c.tolist() for name, c in counts.items()})
             if track:
                 errors.finish(ctx.prefix, ctx.quantized, ctx.output_scales)
         layer.to("cpu")

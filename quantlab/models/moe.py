@@ -15,7 +15,8 @@ on its Linears see exactly the tokens routed to it, or nothing.
 
 from __future__ import annotations
 
-from typing import Iterable
+from contextlib import contextmanager
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -40,27 +41,64 @@ class ExpertMLP(nn.Module):
 
 class Experts(nn.ModuleList):
     """Drop-in for a fused experts module: called as `experts(hidden [T, H], top_k_index [T, K],
-    top_k_weights [T, K])`, returns the routing-weighted sum of each token's experts."""
+    top_k_weights [T, K])`, returns the routing-weighted sum of each token's experts.
+
+    `all_tokens` (calibration): every expert also runs on every token, so hooks on its Linears
+    see all of them, while the output still takes only each token's routed experts (what
+    llm-compressor calls calibrating all experts: no expert is left without statistics).
+    `routed`, while set (`counting_routes`), accumulates the tokens routed to each expert."""
+
+    all_tokens: bool = False
+    routed: torch.Tensor | None = None
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        return mix_experts(hidden_states, top_k_index, top_k_weights, self)
+        if self.routed is not None:
+            self.routed += torch.bincount(top_k_index.flatten().cpu(), minlength=len(self))
+        return mix_experts(hidden_states, top_k_index, top_k_weights, self, self.all_tokens)
 
 
 def mix_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                experts: Iterable[nn.Module]) -> torch.Tensor:
+                experts: Iterable[nn.Module], all_tokens: bool = False) -> torch.Tensor:
     """`Σ_k weight[t, k] · expert_{index[t, k]}(x[t])` for tokens `x [T, H]`: each expert runs
     once on the tokens routed to it (none: not called), accumulated in transformers' eager
-    order (expert by expert, slot by slot within one)."""
+    order (expert by expert, slot by slot within one). `all_tokens`: each expert runs on all
+    of `x` and its routed rows are taken from that."""
     out = torch.zeros_like(x)
     routed = top_k_index.T  # [K, T]: (slot, token) pairs in the order the eager loop visits them
     for e, expert in enumerate(experts):
         slot, token = torch.where(routed == e)
-        if token.numel() == 0:
+        if all_tokens:
+            y = expert(x)[token]
+        elif token.numel() == 0:
             continue
-        y = expert(x[token]) * top_k_weights[token, slot, None]
-        out.index_add_(0, token, y.to(out.dtype))
+        else:
+            y = expert(x[token])
+        out.index_add_(0, token, (y * top_k_weights[token, slot, None]).to(out.dtype))
     return out
+
+
+@contextmanager
+def counting_routes(module: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    """Count the tokens routed to each expert of every `Experts` in `module` while inside; the
+    yielded dict maps each experts module's name to its counts `[E]` on exit."""
+    found = {name: m for name, m in module.named_modules() if isinstance(m, Experts)}
+    counts: dict[str, torch.Tensor] = {}
+    for m in found.values():
+        m.routed = torch.zeros(len(m), dtype=torch.long)
+    try:
+        yield counts
+    finally:
+        for name, m in found.items():
+            counts[name], m.routed = m.routed, None
+
+
+def calibrate_all_experts(model: nn.Module, on: bool) -> int:
+    """Set `Experts.all_tokens` on every experts module; returns how many there are."""
+    found = [m for m in model.modules() if isinstance(m, Experts)]
+    for m in found:
+        m.all_tokens = on
+    return len(found)
 
 
 def _linear(weight: torch.Tensor) -> nn.Linear:
