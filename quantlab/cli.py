@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import json
 import os
 import sys
 from pathlib import Path
@@ -197,6 +198,7 @@ def eval_cmd(run_dir: Annotated[Path, typer.Argument(help="a run directory quant
 def compare_cmd(run_dirs: Annotated[list[Path], typer.Argument(help="run directories to put side by side")],
                 html: Annotated[Optional[Path], typer.Option(help="also write the table and a plot as one HTML file")] = None,
                 markdown: Annotated[Optional[Path], typer.Option(help="also write the table as Markdown")] = None,
+                json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the rows as JSON")] = None,
                 ) -> None:
     """One table across runs: method, scheme, size on disk, quantization time, perplexity, KLD, ROUGE."""
     from rich.table import Table
@@ -210,7 +212,8 @@ def compare_cmd(run_dirs: Annotated[list[Path], typer.Argument(help="run directo
     for row in rows:
         table.add_row(*("—" if row.get(c) is None else str(row[c]) for c in COMPARE_COLUMNS))
     console.print(table)
-    for path, text in ((markdown, lambda: compare.markdown(rows)), (html, lambda: compare_page(rows))):
+    for path, text in ((markdown, lambda: compare.markdown(rows)), (html, lambda: compare_page(rows)),
+                       (json_out, lambda: json.dumps(rows, indent=2, ensure_ascii=False) + "\n")):
         if path is not None:
             write_text_atomic(path, text())
             typer.echo(f"wrote {path}")

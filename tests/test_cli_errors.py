@@ -237,10 +237,10 @@ def test_subprocess_invalid_yaml_and_bad_set(fake_model_dir, tmp_path) -> None:
 
 
 def unsupported_gguf(path: Path) -> Path:
-    """A GGUF file holding only its header: the architecture a real Qwen3 GGUF declares, no tensors."""
+    """A GGUF file holding only its header: the architecture a real Gemma 2 GGUF declares, no tensors."""
     import gguf
 
-    writer = gguf.GGUFWriter(str(path), "qwen3")
+    writer = gguf.GGUFWriter(str(path), "gemma2")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -257,10 +257,10 @@ def test_unsupported_architecture_is_refused_before_any_weight_is_read(source, t
     model = tmp_path / "model"
     model.mkdir()
     if source == "config":
-        (model / "config.json").write_text(json.dumps({"model_type": "gemma3_text", "num_hidden_layers": 18}))
-        model_id, declared = str(model), "gemma3_text"
+        (model / "config.json").write_text(json.dumps({"model_type": "phi3", "num_hidden_layers": 32}))
+        model_id, declared = str(model), "phi3"
     else:
-        model_id, declared = str(unsupported_gguf(model / "qwen3-0.6b.Q8_0.gguf")), "qwen3"
+        model_id, declared = str(unsupported_gguf(model / "gemma-2-2b.Q8_0.gguf")), "gemma2"
     work = tmp_path / "work"
     work.mkdir()
     (work / "recipe.yaml").write_text(yaml.safe_dump({**good_recipe(model), "model": {"id": model_id}}))
@@ -269,6 +269,7 @@ def test_unsupported_architecture_is_refused_before_any_weight_is_read(source, t
         proc = subprocess.run([sys.executable, "-m", "quantlab", command, "recipe.yaml"], cwd=work,
                               capture_output=True, text=True, timeout=120)
         line = assert_user_error(proc.returncode, proc.stdout, proc.stderr, "model")
-        assert f"architecture {declared!r}" in line and "supported: llama, mistral, mixtral, qwen2, qwen2_moe" in line
+        assert f"architecture {declared!r}" in line
+        assert "supported: gemma3_text, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe" in line
         assert time.perf_counter() - start < 10
     assert sorted(os.listdir(work)) == ["recipe.yaml"]

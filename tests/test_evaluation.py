@@ -160,6 +160,13 @@ def test_sibling_run_reuses_float_baselines_and_compare_tables_both(finished, ti
     assert rows[1]["KL mean"] < rows[0]["KL mean"]
     assert "| w8 |" in compare.markdown(rows)
     assert external_references(compare_page(rows)).external == []
+    from typer.testing import CliRunner
+
+    from quantlab.cli import app
+
+    out = finished.parent / "compare.json"
+    assert CliRunner().invoke(app, ["compare", str(finished), str(sibling), "--json", str(out)]).exit_code == 0
+    assert json.loads(out.read_text()) == json.loads(json.dumps(rows))
     with pytest.raises(UserError, match="no reports/report.json"):
         compare.compare_rows([finished / "quantized"])
 

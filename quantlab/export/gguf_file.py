@@ -1,4 +1,5 @@
-"""GGUF (llama.cpp) file for llama and qwen2, written with the `gguf` package.
+"""GGUF (llama.cpp) file for llama, qwen2, qwen3, mixtral, qwen2_moe and qwen3_moe, written with
+the `gguf` package.
 
 GGUF has its own block formats, so the canonical weights (AWQ scales and clipping already
 folded in) are re-encoded per 32-column block:
@@ -10,18 +11,37 @@ folded in) are re-encoded per 32-column block:
     (`check_exportable`): it would be rounded a second time. F16 is always the dequantized
     weight in fp16.
 K-quants (Q4_K_M, Q5_K_M, Q6_K) have no exact transcoding: the folded canonical weights (kept
-when the recipe lists the K-quant) are written as F16 and handed to llama.cpp's own quantizer (llama-cpp-python, in its tool
-environment), so the file carries llama.cpp's K-quant mix of the weights quantlab computed.
+when the recipe lists the K-quant) are written as F16 and handed to llama.cpp's own quantizer
+(llama-cpp-python, in its tool environment), so the file carries llama.cpp's K-quant mix of the
+weights quantlab computed.
 Float 2-D tensors (embedding, head, Linears the recipe left in float) are F16 in an f16 file
-and Q8_0 otherwise; 1-D tensors (norms, biases) are F32. llama-arch Q and K rows are
-permuted for llama.cpp's rotary layout (`convert_hf_to_gguf.py` `LlamaModel.permute`);
-qwen2 is not. The tokenizer comes from the canonical `tokenizer.json` the way llama.cpp's
-converter writes a GPT-2 BPE vocab (tokens, token types, merges, special ids, chat template).
+and Q8_0 otherwise; 1-D tensors (norms, biases, qwen3's per-head q/k norms) and MoE routers are
+F32 (llama.cpp's converter keeps routers in F32 too: a rounded router logit can pick another
+expert). llama-arch Q and K rows are permuted for llama.cpp's rotary layout
+(`convert_hf_to_gguf.py` `LlamaModel.permute`); qwen2/qwen3 (NeoX rotary) are not. The
+tokenizer comes from the canonical `tokenizer.json` the way llama.cpp's converter writes a GPT-2
+BPE vocab (tokens, token types, merges, special ids, chat template).
+
+Mixture-of-experts: llama.cpp keeps a layer's experts in one stacked tensor per projection
+(`ffn_gate_exps` / `ffn_up_exps` `[E, inter, hidden]`, `ffn_down_exps` `[E, hidden, inter]`),
+which the converter builds by stacking `mlp.experts.E.*_proj` into `mlp.experts.*_proj`
+before its name map; here each expert is encoded on its own (transcoded blocks, F16, or
+float) and the block rows are stacked, so the codes stay exact. The router is `ffn_gate_inp`,
+Qwen2-MoE's shared expert `ffn_{gate,up,down}_shexp` with its gate `ffn_gate_inp_shexp` (1-D,
+as llama.cpp declares it and its quantizer rewrites it).
+Mixtral is llama.cpp's `llama` arch with experts (Q/K permuted); `read` tells it from llama by
+its expert count and gives every expert back under its own name. llama.cpp hard-codes per
+arch whether the top-k routing weights are renormalized (llama/mixtral and qwen3moe: yes,
+qwen2moe: no) and ignores sliding windows in these archs, so a config that says otherwise
+(`norm_topk_prob`, an active `sliding_window`) is refused rather than exported to compute
+something else. llama.cpp's qwen2moe loads no tied head: a tied Qwen2-MoE gets its embedding
+again as `output.weight`.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -31,15 +51,22 @@ import torch
 
 from quantlab.errors import UserError
 from quantlab.export.checks import Report
-from quantlab.export.source import Canonical, head_dim, linear_shapes, read_sidecar, sidecar_source, write_sidecar
+from quantlab.export.source import (Canonical, head_dim, linear_shapes, read_sidecar, router_width, sidecar_source,
+                                   write_sidecar)
 from quantlab.formats import K_QUANTS  # through llama.cpp's quantizer
-from quantlab.models.arch import ARCH_SPECS
+from quantlab.models.arch import MOE_ARCH_SPECS, ArchSpec, spec_for_config
 from quantlab.quant.primitives import QuantizedWeight
 from quantlab.quant.scheme import WeightScheme
 
 NAME = "gguf"
 BLOCK = 32
-ARCHS = {"llama": True, "qwen2": False}  # model_type → permute Q/K
+# model_type → (llama.cpp arch, Q/K rows permuted for its rotary layout)
+ARCHS = {"llama": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False),
+         "mixtral": ("llama", True), "qwen2_moe": ("qwen2moe", False), "qwen3_moe": ("qwen3moe", False)}
+# whether llama.cpp's MoE graph renormalizes the top-k routing weights (`build_moe_ffn`'s norm_w, hard-coded per arch)
+RENORMALIZES = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True}
+NEEDS_OUTPUT = ("qwen2moe",)  # archs whose loader requires `output.weight` (no tied head)
+EXPERT_TENSOR = re.compile(r"^(?P<owner>.+\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$")
 PRE_TOKENIZERS = ("gpt-2", "qwen2", "llama-bpe")  # llama.cpp names (llama-vocab.cpp) tokenizer_pre returns
 QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
                r"|\s+(?!\S)|\s+")
@@ -213,15 +240,64 @@ def add_hparams(writer: Any, config: dict[str, Any], file_type: Any, name: str) 
         writer.add_key_length(hd)
         writer.add_value_length(hd)
     writer.add_vocab_size(int(config["vocab_size"]))
+    if n_experts(config):
+        add_moe_hparams(writer, config)
     writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def n_experts(config: dict[str, Any]) -> int:
+    """Routed experts per layer; 0 for a dense model."""
+    return int(config.get("num_local_experts") or config.get("num_experts") or 0)
+
+
+def add_moe_hparams(writer: Any, config: dict[str, Any]) -> None:
+    """The keys llama.cpp's converter writes for these families: Qwen-MoE experts are
+    `moe_intermediate_size` wide (llama.cpp would otherwise take `feed_forward_length / top-k`),
+    Mixtral's are `intermediate_size` (`feed_forward_length`)."""
+    writer.add_expert_count(n_experts(config))
+    writer.add_expert_used_count(int(config["num_experts_per_tok"]))
+    if config.get("moe_intermediate_size"):
+        writer.add_expert_feed_forward_length(int(config["moe_intermediate_size"]))
+    if config.get("shared_expert_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(int(config["shared_expert_intermediate_size"]))
 
 
 def tensor_map(config: dict[str, Any]) -> Any:
     import gguf
 
-    arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}[config["model_type"]]
+    name = ARCHS[config["model_type"]][0]
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == name)
     return gguf.get_tensor_name_map(arch, int(config["num_hidden_layers"]))
+
+
+def stacked_name(hf_name: str) -> tuple[str, int] | None:
+    """`….experts.E.gate_proj.weight` → (`….experts.gate_proj.weight`, E): the tensor llama.cpp
+    stacks a layer's experts into (its converter's merged name), and the expert's index."""
+    m = EXPERT_TENSOR.match(hf_name)
+    return (f"{m['owner']}.{m['proj']}.weight", int(m["e"])) if m else None
+
+
+def tensor_shapes(config: dict[str, Any], spec: ArchSpec) -> dict[str, tuple[int, ...]]:
+    """Logical `[out, in]` shape of every tensor a file of `config` may hold, by Hugging Face
+    name; a layer's experts under their stacked name, `[E, out, in]`; lm_head (optional)."""
+    hidden, vocab = int(config["hidden_size"]), int(config["vocab_size"])
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
+                                          "lm_head.weight": (vocab, hidden)}
+    for i in range(int(config["num_hidden_layers"])):
+        pre = f"{spec.layers}.{i}"
+        shapes.update({f"{pre}.{n}.weight": (hidden,) for n in spec.norms})
+        shapes.update({f"{pre}.{n}.weight": (head_dim(config),) for n in spec.head_norms})
+        shapes.update({f"{pre}.{n}.weight": (router_width(config, n), hidden) for n in spec.float_linears})
+        for lin, shape in linear_shapes(config, spec).items():
+            stacked = stacked_name(f"{pre}.{lin}.weight")
+            if stacked:
+                shapes[stacked[0]] = (n_experts(config), *shape)
+            else:
+                shapes[f"{pre}.{lin}.weight"] = shape
+            if spec.qkv_bias and lin in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+                shapes[f"{pre}.{lin}.bias"] = (shape[0],)
+    return shapes
 
 
 def gguf_name(tmap: Any, hf_name: str) -> str:
@@ -253,6 +329,7 @@ def check_exportable(src: Canonical, qtype: str = "q8_0") -> None:
     scheme (the dequantized weight in fp16)."""
     if src.model_type not in ARCHS:
         raise UserError(f"{NAME}: model_type {src.model_type!r} is not exported; supported: {', '.join(ARCHS)}")
+    check_llama_cpp_computes_it(src.config)
     choices = (*_types(), *K_QUANTS)
     if qtype not in choices:
         raise UserError(f"{NAME}: tensor type {qtype!r}; choose one of {', '.join(choices)}")
@@ -268,6 +345,23 @@ def check_exportable(src: Canonical, qtype: str = "q8_0") -> None:
                                 f"{scheme.name}{' with act-order' if src.act_order else ''} would be rounded a "
                                 f"second time (export {' or '.join([*others, 'gguf-f16'])}, or quantize with "
                                 "codes and groups it holds)")
+
+
+def check_llama_cpp_computes_it(config: dict[str, Any]) -> None:
+    """Refuse a config llama.cpp would run differently from transformers: it hard-codes whether
+    an arch renormalizes the top-k routing weights (`RENORMALIZES`), and these archs have no
+    sliding-window attention."""
+    model_type = config["model_type"]
+    if model_type in RENORMALIZES:
+        norm = bool(config.get("norm_topk_prob", True))  # Mixtral always renormalizes
+        if norm != RENORMALIZES[model_type]:
+            raise UserError(f"{NAME}: {model_type} with norm_topk_prob={norm}: llama.cpp's "
+                            f"{ARCHS[model_type][0]} {'always' if RENORMALIZES[model_type] else 'never'} "
+                            "renormalizes the top-k routing weights, so it would compute another model")
+    window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
+    if window and int(window) < int(config["max_position_embeddings"]):
+        raise UserError(f"{NAME}: {model_type} with sliding_window={config['sliding_window']}: llama.cpp's "
+                        f"{ARCHS[model_type][0]} attends to the whole context, so it would compute another model")
 
 
 def write(src: Canonical, tmp: Path, final: Path, qtype: str = "q8_0") -> None:
@@ -286,7 +380,7 @@ def write(src: Canonical, tmp: Path, final: Path, qtype: str = "q8_0") -> None:
     else:
         modules = _write_file(src, tmp / fname, qtype)
     write_sidecar(src, final, tmp, f"gguf-{qtype}", {"type": qtype}, modules=modules,
-                  extra={"file": fname, "permuted_qk": ARCHS[src.model_type]})
+                  extra={"file": fname, "permuted_qk": ARCHS[src.model_type][1]})
 
 
 def _has_folded(src: Canonical) -> bool:
@@ -304,22 +398,22 @@ def _write_file(src: Canonical, file: Path, qtype: str, folded: bool = False) ->
     import gguf
 
     _, file_type = _types()[qtype]
-    permute = ARCHS[src.model_type]
     config, tmap = src.config, tensor_map(src.config)
-    writer = gguf.GGUFWriter(file, src.model_type)
+    writer = gguf.GGUFWriter(file, ARCHS[src.model_type][0])
     add_hparams(writer, config, file_type, str(src.quant_config.get("source_model") or config.get("_name_or_path")
                                                  or src.model_type))
     add_tokenizer(writer, src.path, int(config["vocab_size"]))
     modules: dict[str, Any] = {}
-    names = sorted({*src.tensors, *(f"{n}.weight" for n in src.quantized)}, key=_tensor_order)
-    for hf_name in names:
-        module = hf_name.rsplit(".", 1)[0]
-        heads = qk_heads(hf_name, config) if permute else None
-        qw = src.quantized.get(module) if hf_name.endswith(".weight") else None
-        data, gtype, how = _encode_tensor(src, hf_name, None if folded else qw, qtype, heads)
-        writer.add_tensor(gguf_name(tmap, hf_name), data, raw_dtype=gtype)
-        if qw is not None:
-            modules[module] = {"tensor": gguf_name(tmap, hf_name), "type": gtype.name, "encoding": how}
+    for hf_name, members in _file_tensors(src):
+        name = gguf_name(tmap, hf_name)
+        encoded = [_encode_member(src, member, qtype, folded) for member in members]
+        data, gtype = _stack(hf_name, members, encoded)
+        writer.add_tensor(name, data, raw_dtype=gtype)
+        for e, (member, (_, member_type, how)) in enumerate(zip(members, encoded)):
+            module = member.rsplit(".", 1)[0]
+            if member.endswith(".weight") and module in src.quantized:
+                expert = {"expert": e} if stacked_name(member) else {}
+                modules[module] = {"tensor": name, **expert, "type": member_type.name, "encoding": how}
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -327,10 +421,48 @@ def _write_file(src: Canonical, file: Path, qtype: str, folded: bool = False) ->
     return modules
 
 
+def _file_tensors(src: Canonical) -> list[tuple[str, list[str]]]:
+    """Each tensor of the file as (its Hugging Face name, the canonical tensors it holds): one,
+    or a layer's experts in expert order under their stacked name (`stacked_name`)."""
+    names = {*src.tensors, *(f"{n}.weight" for n in src.quantized)}
+    if src.tied and ARCHS[src.model_type][0] in NEEDS_OUTPUT:
+        names.add("lm_head.weight")
+    groups: dict[str, dict[int, str]] = {}
+    for name in names:
+        key, e = stacked_name(name) or (name, 0)
+        groups.setdefault(key, {})[e] = name
+    out = []
+    for key in sorted(groups, key=_tensor_order):
+        members = groups[key]
+        if sorted(members) != list(range(len(members))):
+            raise UserError(f"{NAME}: {key} stacks experts {sorted(members)}; llama.cpp needs every expert")
+        out.append((key, [members[e] for e in range(len(members))]))
+    return out
+
+
+def _stack(hf_name: str, members: list[str], encoded: list[tuple[np.ndarray, Any, str]]) -> tuple[np.ndarray, Any]:
+    """The file tensor's data and ggml type: one member's, or the experts' block rows stacked
+    along a new first dim (gguf keeps the last, byte dim: the logical shape is `[E, out, in]`)."""
+    if not stacked_name(members[0]):
+        return encoded[0][0], encoded[0][1]
+    types = {gtype for _, gtype, _ in encoded}
+    if len(types) > 1:
+        raise UserError(f"{NAME}: the experts of {hf_name} are {', '.join(sorted(t.name for t in types))}; llama.cpp "
+                        "stacks a layer's experts into one tensor of one type (quantize all experts or none)")
+    return np.stack([data for data, _, _ in encoded]), types.pop()
+
+
 def _tensor_order(name: str) -> tuple:
     parts = name.split(".")
     layer = int(parts[2]) if len(parts) > 2 and parts[1] == "layers" else -1
     return (layer if layer >= 0 else (1e9 if not name.startswith("model.embed") else -1), name)
+
+
+def _encode_member(src: Canonical, hf_name: str, qtype: str, folded: bool) -> tuple[np.ndarray, Any, str]:
+    module = hf_name.rsplit(".", 1)[0]
+    qw = src.quantized.get(module) if hf_name.endswith(".weight") and not folded else None
+    heads = qk_heads(hf_name, src.config) if ARCHS[src.model_type][1] else None
+    return _encode_tensor(src, hf_name, qw, qtype, heads)
 
 
 def _encode_tensor(src: Canonical, hf_name: str, qw: QuantizedWeight | None, qtype: str,
@@ -347,13 +479,34 @@ def _encode_tensor(src: Canonical, hf_name: str, qw: QuantizedWeight | None, qty
         if raw is None:  # check_exportable refused what the block type cannot hold
             raise AssertionError(f"{hf_name}: {qw.scheme.name} does not transcode to {qtype}")
         return raw, _types()[qtype][0], "transcoded"
-    module = hf_name.rsplit(".", 1)[0]
-    folded = hf_name.endswith(".weight") and module in src.quantized
-    t = (src.folded[module] if folded else src.tensors[hf_name]).float()
+    t = _float_tensor(src, hf_name).float()
     if heads is not None:
         t = t[permute_rows(t.shape[0], heads)]
+    if _is_router(src.spec, hf_name):
+        return t.reshape(file_shape(tuple(t.shape))).numpy(), gguf.GGMLQuantizationType.F32, "F32"
     data, gtype = encode_float(t.numpy(), qtype)
     return data, gtype, gtype.name
+
+
+def _float_tensor(src: Canonical, hf_name: str) -> torch.Tensor:
+    """A tensor kept in float: a quantized Linear's weight before rounding (`src.folded`), the
+    embedding for a tied head an arch needs written (`NEEDS_OUTPUT`), or the canonical tensor."""
+    module = hf_name.rsplit(".", 1)[0]
+    if hf_name.endswith(".weight") and module in src.quantized:
+        return src.folded[module]
+    if hf_name == "lm_head.weight" and hf_name not in src.tensors:
+        return src.tensors["model.embed_tokens.weight"]
+    return src.tensors[hf_name]
+
+
+def _is_router(spec: ArchSpec, hf_name: str) -> bool:
+    return hf_name.endswith(tuple(f".{r}.weight" for r in spec.float_linears))
+
+
+def file_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A one-row matrix is 1-D in the file: llama.cpp declares Qwen2-MoE's shared-expert gate
+    `[hidden]` (`ffn_gate_inp_shexp`), and its quantizer rewrites a `[1, hidden]` one so."""
+    return shape[1:] if len(shape) == 2 and shape[0] == 1 else shape
 
 
 # ----------------------------------------------------------------------------- reader
@@ -380,39 +533,60 @@ def metadata(reader: Any) -> dict[str, Any]:
 
 
 def read(path: Path, reader: Any = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Dequantized float tensors under their Hugging Face names (Q/K un-permuted), and metadata."""
+    """Dequantized float tensors under their Hugging Face names (Q/K un-permuted, stacked experts
+    split back into `….experts.E.*_proj.weight`), and metadata."""
     import gguf
 
     reader = reader or gguf.GGUFReader(gguf_path(path))
     meta = metadata(reader)
-    arch = meta["general.architecture"]
-    config = {"model_type": arch, "num_hidden_layers": meta[f"{arch}.block_count"],
-              "num_attention_heads": meta[f"{arch}.attention.head_count"],
-              "num_key_value_heads": meta[f"{arch}.attention.head_count_kv"]}
-    reverse = _reverse_names(config, meta)
+    config = config_from_metadata(meta, n_tokens(reader))
+    shapes = tensor_shapes(config, spec_for_config(config))
+    reverse = {gguf_name(tensor_map(config), n): n for n in shapes}
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         hf = reverse.get(t.name)
         if hf is None:
-            raise UserError(f"{path}: tensor {t.name} has no Hugging Face name for {arch}")
+            raise UserError(f"{path}: tensor {t.name} has no Hugging Face name for {meta['general.architecture']}")
         w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
-        heads = qk_heads(hf, config) if ARCHS.get(arch) else None
+        heads = qk_heads(hf, config) if ARCHS[config["model_type"]][1] else None
         if heads is not None:
             inverse = torch.argsort(permute_rows(w.shape[0], heads))
             w = w[inverse]
-        out[hf] = w
+        out.update(_unstack(hf, w.reshape(shapes[hf])))  # 1-D one-row matrices back to `[1, in]`
     return out, meta
 
 
-def _reverse_names(config: dict[str, Any], meta: dict[str, Any]) -> dict[str, str]:
-    spec = ARCH_SPECS[config["model_type"]]
-    tmap = tensor_map(config)
-    hf = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
-    for i in range(int(config["num_hidden_layers"])):
-        pre = f"{spec.layers}.{i}"
-        hf += [f"{pre}.input_layernorm.weight", f"{pre}.post_attention_layernorm.weight"]
-        hf += [f"{pre}.{lin}.{s}" for lin in spec.linears for s in ("weight", "bias")]
-    return {gguf_name(tmap, n): n for n in hf}
+def n_tokens(reader: Any) -> int:
+    field = reader.fields.get("tokenizer.ggml.tokens")
+    return len(field.data) if field is not None else 0
+
+
+def _unstack(hf_name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+    if w.ndim != 3:
+        return {hf_name: w}
+    owner, proj, _ = hf_name.rsplit(".", 2)
+    return {f"{owner}.{e}.{proj}.weight": w[e] for e in range(w.shape[0])}
+
+
+def config_from_metadata(meta: dict[str, Any], vocab_size: int = 0) -> dict[str, Any]:
+    """The Hugging Face config fields a file's metadata fixes (model_type, sizes, experts)."""
+    arch = meta["general.architecture"]
+    key = lambda k: meta.get(f"{arch}.{k}")  # noqa: E731
+    experts = int(key("expert_count") or 0)
+    types = [t for t, (a, _) in ARCHS.items() if a == arch and (t in MOE_ARCH_SPECS) == bool(experts)]
+    if len(types) != 1:
+        raise UserError(f"{NAME}: no model_type for llama.cpp arch {arch!r} with {experts} experts")
+    model_type = types[0]
+    config = {"model_type": model_type, "num_hidden_layers": int(key("block_count")),
+              "hidden_size": int(key("embedding_length")), "intermediate_size": int(key("feed_forward_length")),
+              "num_attention_heads": int(key("attention.head_count")),
+              "num_key_value_heads": int(key("attention.head_count_kv")),
+              "head_dim": int(key("attention.key_length") or key("rope.dimension_count")), "vocab_size": vocab_size}
+    if experts:
+        config.update({MOE_ARCH_SPECS[model_type].experts: experts, "num_experts_per_tok": key("expert_used_count"),
+                       "moe_intermediate_size": key("expert_feed_forward_length"),
+                       "shared_expert_intermediate_size": key("expert_shared_feed_forward_length")})
+    return config
 
 
 # ----------------------------------------------------------------------------- validator
@@ -420,6 +594,14 @@ def _reverse_names(config: dict[str, Any], meta: dict[str, Any]) -> dict[str, st
 REQUIRED_KEYS = ("context_length", "embedding_length", "block_count", "feed_forward_length",
                  "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
                  "rope.freq_base", "rope.dimension_count")
+MOE_KEYS = ("expert_count", "expert_used_count")
+EXPERT_WIDTH_KEYS = {"qwen2moe": ("expert_feed_forward_length", "expert_shared_feed_forward_length"),
+                     "qwen3moe": ("expert_feed_forward_length",)}  # without them llama.cpp guesses n_ff / top-k
+
+
+def required_keys(arch: str, meta: dict[str, Any]) -> tuple[str, ...]:
+    moe = arch in EXPERT_WIDTH_KEYS or f"{arch}.expert_count" in meta  # llama with experts: Mixtral
+    return (*REQUIRED_KEYS, *(MOE_KEYS if moe else ()), *EXPERT_WIDTH_KEYS.get(arch, ()))
 
 
 def validate(path: Path, source: Canonical | None = None) -> Report:
@@ -430,10 +612,12 @@ def validate(path: Path, source: Canonical | None = None) -> Report:
     reader = gguf.GGUFReader(gguf_path(path))
     meta = metadata(reader)
     arch = meta.get("general.architecture")
-    if not report.check("config value", "general.architecture", arch in ARCHS,
-                        f"expected one of {', '.join(ARCHS)}, got {arch!r}"):
+    archs = sorted({a for a, _ in ARCHS.values()})
+    if not report.check("config value", "general.architecture", arch in archs,
+                        f"expected one of {', '.join(archs)}, got {arch!r}"):
         return report
-    for key in ("general.file_type", "general.quantization_version", *(f"{arch}.{k}" for k in REQUIRED_KEYS),
+    for key in ("general.file_type", "general.quantization_version",
+                *(f"{arch}.{k}" for k in required_keys(arch, meta)),
                 "tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
                 "tokenizer.ggml.eos_token_id"):
         report.check("metadata key", key, key in reader.fields, "key is missing")
@@ -445,30 +629,15 @@ def validate(path: Path, source: Canonical | None = None) -> Report:
                      f"names written here: {', '.join(PRE_TOKENIZERS)}")
         report.check("metadata key", "tokenizer.ggml.merges", "tokenizer.ggml.merges" in reader.fields,
                      "a gpt2 (BPE) tokenizer needs merges")
-    n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else None
+    n_vocab = n_tokens(reader)
     if not report.ok:
         return report
-    n_layer, hidden = int(meta[f"{arch}.block_count"]), int(meta[f"{arch}.embedding_length"])
-    config = {"model_type": arch, "num_hidden_layers": n_layer, "hidden_size": hidden,
-              "intermediate_size": int(meta[f"{arch}.feed_forward_length"]),
-              "num_attention_heads": int(meta[f"{arch}.attention.head_count"]),
-              "num_key_value_heads": int(meta[f"{arch}.attention.head_count_kv"]),
-              "head_dim": int(meta.get(f"{arch}.attention.key_length") or meta[f"{arch}.rope.dimension_count"])}
+    config = config_from_metadata(meta, n_vocab)
     report.check("token count", "tokenizer.ggml.token_type",
                  len(reader.fields["tokenizer.ggml.token_type"].data) == n_vocab, "differs from tokenizer.ggml.tokens")
     tensors = {t.name: t for t in reader.tensors}
-    tmap, spec = tensor_map(config), ARCH_SPECS[arch]
     F32 = gguf.GGMLQuantizationType.F32
-    expected: dict[str, tuple[int, ...]] = {"token_embd.weight": (n_vocab, hidden), "output_norm.weight": (hidden,)}
-    if "output.weight" in tensors:
-        expected["output.weight"] = (n_vocab, hidden)
-    for i in range(n_layer):
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            expected[gguf_name(tmap, f"{spec.layers}.{i}.{norm}.weight")] = (hidden,)
-        for lin, (out_f, in_f) in linear_shapes(config, spec).items():
-            expected[gguf_name(tmap, f"{spec.layers}.{i}.{lin}.weight")] = (out_f, in_f)
-            if spec.qkv_bias and lin in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
-                expected[gguf_name(tmap, f"{spec.layers}.{i}.{lin}.bias")] = (out_f,)
+    expected = expected_tensors(config, has_output="output.weight" in tensors)
     for name, shape in expected.items():
         t = tensors.get(name)
         if not report.check("present", name, t is not None, "tensor is missing"):
@@ -479,7 +648,8 @@ def validate(path: Path, source: Canonical | None = None) -> Report:
             report.check("dtype", name, t.tensor_type == F32, f"expected F32, got {t.tensor_type.name}")
     for name in tensors:
         report.check("known tensor", name, name in expected, "not a tensor of this architecture")
-    report.facts.update({"architecture": arch, "file_type": meta.get("general.file_type"), "layers": n_layer,
+    report.facts.update({"architecture": arch, "model_type": config["model_type"],
+                         "file_type": meta.get("general.file_type"), "layers": config["num_hidden_layers"],
                          "types": sorted({t.tensor_type.name for t in reader.tensors}), "tokens": n_vocab,
                          "tokenizer.pre": meta.get("tokenizer.ggml.pre")})
     side = read_sidecar(path) if path.is_dir() else None
@@ -489,6 +659,16 @@ def validate(path: Path, source: Canonical | None = None) -> Report:
     if report.ok:
         check_against_source(report, path, reader, source)
     return report
+
+
+def expected_tensors(config: dict[str, Any], has_output: bool) -> dict[str, tuple[int, ...]]:
+    """GGUF name → logical shape of every tensor llama.cpp loads for `config` (`tensor_shapes`);
+    `output.weight` where the arch requires it or the file has one."""
+    tmap = tensor_map(config)
+    shapes = tensor_shapes(config, spec_for_config(config))
+    if not has_output and ARCHS[config["model_type"]][0] not in NEEDS_OUTPUT:
+        del shapes["lm_head.weight"]
+    return {gguf_name(tmap, n): file_shape(shape) for n, shape in shapes.items()}
 
 
 def check_against_source(report: Report, path: Path, reader: Any, src: Canonical | None) -> None:

@@ -1,7 +1,7 @@
 """Score token windows with llama.cpp (llama-cpp-python), or quantize a GGUF with llama.cpp's
 own quantizer. Runs in the llama-cpp tool environment: no quantlab, no torch.
 
-    python gguf_nll.py score MODEL.gguf WINDOWS.npy OUT.json [--threads N]
+    python gguf_nll.py score MODEL.gguf WINDOWS.npy OUT.json [--threads N] [--logits LOGITS.npy]
     python gguf_nll.py quantize IN.gguf OUT.gguf q4_0
 """
 
@@ -36,11 +36,16 @@ def score(args: argparse.Namespace) -> dict:
     llm = Llama(model_path=args.model, n_ctx=seq, n_batch=seq, n_ubatch=seq, logits_all=True,
                 n_threads=args.threads, verbose=False)
     loaded = time.perf_counter()
-    total = 0.0
+    total, logits = 0.0, []
     for row in windows:
         llm.reset()
         llm.eval(row.tolist())
-        total += nll_of(np.asarray(llm.scores[:seq]), row)
+        scores = np.asarray(llm.scores[:seq])
+        total += nll_of(scores, row)
+        if args.logits:  # kept only when asked: 8 windows of SmolLM2 are ~800 MB
+            logits.append(scores.astype(np.float32, copy=True))
+    if args.logits:  # [windows, seq, vocab]
+        np.save(args.logits, np.stack(logits))
     tokens = windows.shape[0] * (seq - 1)
     return {"engine": "llama.cpp", "llama_cpp_python": version("llama-cpp-python"), "nll_sum": total,
             "tokens": tokens, "perplexity": math.exp(total / tokens), "windows": int(windows.shape[0]),
@@ -70,6 +75,7 @@ def main() -> int:
     s.add_argument("out")
     s.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1),
                    help="llama.cpp threads (default: $OMP_NUM_THREADS, else every core)")
+    s.add_argument("--logits", help="also save every window's logits here (.npy)")
     q = sub.add_parser("quantize")
     q.add_argument("src")
     q.add_argument("dst")
