@@ -166,6 +166,8 @@ CT_CASES = {
     "sym-g64-llama": ("llama", SYM, {}),
     "sym-g64-qwen2": ("qwen2", SYM, {}),
     "asym-g64-qwen2": ("qwen2", WeightScheme(bits=4, symmetric=False, group_size=64), {}),
+    "asym-g32-qwen3": ("qwen3", ASYM, {}),  # q/k norms
+    "sym-g64-gemma3": ("gemma3_text", SYM, {}),  # 1 + weight norms, sandwich norms, GELU, sliding window
     "asym-g128": ("llama", WeightScheme(bits=4, symmetric=False, group_size=128),
                   dict(hidden_size=128, intermediate_size=256)),
     # k_proj / v_proj have 20 outputs: their zero points end in a half-filled int32 word
@@ -288,8 +290,8 @@ def assert_close_fp16(got: torch.Tensor, canonical) -> None:
     assert float((got - ref).abs().max()) < 1e-2 * float(ref.abs().max())
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
-@pytest.mark.parametrize("scheme", [ASYM, SYM], ids=["asym", "sym"])
+@pytest.mark.parametrize("model_type,scheme", [("llama", ASYM), ("llama", SYM), ("qwen2", ASYM), ("qwen2", SYM),
+                                               ("qwen3", ASYM)], ids=lambda v: getattr(v, "name", v))
 def test_awq_loads_with_gptqmodel(tmp_path, tokenizer, model_type, scheme):
     canonical = make_canonical(tmp_path, tokenizer, model_type, scheme)
     out = tmp_path / "awq"

@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -153,14 +153,18 @@ def search_scales(
     scheme: WeightScheme,
     grid: int = 20,
     duo_scaling: bool = True,
+    error_of: Callable[[torch.Tensor], float] | None = None,
 ) -> ScaleSearch:
     """Grid-search α for the Linears stacked in `w [out, in]` that read inputs with per-channel
-    mean |x| `x_mean` and Gram `gram`; minimizes the output MSE of `Q(W·s)/s` vs `W`."""
+    mean |x| `x_mean` and Gram `gram`; minimizes the output MSE of `Q(W·s)/s` vs `W` (or
+    `error_of(s)` when given)."""
     w = w.float()
     w_mean = weight_mean(w, scheme.group_size) if duo_scaling else None
 
-    def error_of(s: torch.Tensor) -> float:
+    def linear_error(s: torch.Tensor) -> float:
         return output_error(fake_quantize(w * s, scheme).div_(s).sub_(w), gram)
+
+    error_of = error_of or linear_error
 
     ones = torch.ones_like(x_mean)
     identity_error = error_of(ones)
@@ -371,6 +375,11 @@ class AWQ:
     clip_skip: list[str] = field(default_factory=lambda: ["self_attn.q_proj", "self_attn.k_proj"])
     max_tokens: int = 8192
     ignore: list[str] = field(default_factory=list)
+    # "block": the scales of a group fed by a norm (q/k/v, gate/up) are judged on the decoder
+    # layer's output, as AutoAWQ judges them on the attention / MLP output, over the first
+    # batches covering `block_tokens`; "linear": on the group's Linear outputs (Gram form)
+    objective: str = "linear"
+    block_tokens: int = 2048
     records: list[dict[str, Any]] = field(default_factory=list)  # one per scaling group / clip
 
     def __post_init__(self) -> None:
@@ -395,8 +404,9 @@ class AWQ:
         site_of = input_sites(ctx.spec)
         stats = collect_input_stats(ctx, site_of.values(), self.max_tokens, seed=ctx.index)
         targets = self._targets(ctx)
+        block = _BlockError.of(ctx, self.block_tokens) if self.objective == "block" and not ctx.spec.experts else None
         for group in ctx.spec.scaling:
-            self._scale_group(ctx, group.prev, list(group.linears), targets, stats, site_of)
+            self._scale_group(ctx, group.prev, list(group.linears), targets, stats, site_of, block)
         return stats
 
     def _targets(self, ctx: LayerContext) -> list[str]:
@@ -404,7 +414,7 @@ class AWQ:
 
     def _scale_group(
         self, ctx: LayerContext, prev_name: str, names: list[str], targets: list[str],
-        stats: dict[str, InputStats], site_of: dict[str, str],
+        stats: dict[str, InputStats], site_of: dict[str, str], block: "_BlockError | None" = None,
     ) -> None:
         record: dict[str, Any] = {"layer": ctx.index, "prev": prev_name, "linears": names}
         self.records.append(record)
@@ -437,7 +447,12 @@ class AWQ:
         w = torch.cat([ctx.linear(n).weight.data.float() for part in searched for n in part], dim=0)
         rows = [sum(ctx.linear(n).weight.shape[0] for n in part) for part in searched]
         x_mean, gram = pooled([stats[site] for site in sites], rows)
-        found = search_scales(w, x_mean, gram, self.scheme, self.grid, self.duo_scaling)
+        if block is not None and not isinstance(prev, nn.Linear):
+            linears = [ctx.linear(n) for part in searched for n in part]
+            found = search_scales(w, x_mean, gram, self.scheme, self.grid, self.duo_scaling,
+                                  error_of=lambda s: block.error(linears, s, self.scheme))
+        else:
+            found = search_scales(w, x_mean, gram, self.scheme, self.grid, self.duo_scaling)
         record.update(alpha=found.alpha, error=found.error, identity_error=found.identity_error)
         if found.alpha is not None:
             ctx.spec.fold_scales(prev, consumers, found.scales)
@@ -454,6 +469,41 @@ class AWQ:
         apply_clip(weight, lo, hi, self.scheme.group_size)
         self.records.append({"layer": ctx.index, "clip": name, "error": err.sum().item() / err.shape[0],
                              "unclipped_error": unclipped.sum().item() / err.shape[0]})
+
+
+@dataclass
+class _BlockError:
+    """The decoder layer's output error when some Linears are fake-quantized with scales `s`
+    (`Q(W·s)/s`: the function of the folded, quantized layer), against the float layer."""
+
+    ctx: LayerContext
+    batches: list[Any]
+    reference: list[torch.Tensor]
+
+    @classmethod
+    def of(cls, ctx: LayerContext, tokens: int) -> "_BlockError":
+        chosen, total = [], 0
+        for b in ctx.batches:
+            if total >= tokens:
+                break
+            chosen.append(b)
+            total += b.hidden.shape[0] * b.hidden.shape[1]
+        view = dataclasses.replace(ctx, batches=chosen)
+        return cls(view, chosen, view.forward())
+
+    @torch.no_grad()
+    def error(self, linears: list[nn.Linear], s: torch.Tensor, scheme: WeightScheme) -> float:
+        saved = [lin.weight.data for lin in linears]
+        try:
+            for lin in linears:
+                w = lin.weight.data.float()
+                lin.weight.data = (fake_quantize(w * s, scheme) / s).to(lin.weight.dtype)
+            outs = self.ctx.forward()
+        finally:
+            for lin, w in zip(linears, saved):
+                lin.weight.data = w
+        return sum(float((o.float() - r.float()).pow(2).sum()) for o, r in zip(outs, self.reference)) / \
+            sum(r.numel() for r in self.reference)
 
 
 def _submodule(layer: nn.Module, name: str) -> nn.Module | None:
