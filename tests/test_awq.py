@@ -5,6 +5,7 @@ the stages after it in the engine."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -227,6 +228,34 @@ def test_awq_alone_returns_codes_for_every_linear_and_beats_rtn_at_every_layer(m
             states = quantized_model(ids, output_hidden_states=True).hidden_states[1:]
         errors[name] = [(s - r).pow(2).mean().item() for s, r in zip(states, reference)]
     assert all(a < r for a, r in zip(errors["awq"], errors["rtn"])), errors
+
+
+def test_block_objective_measures_the_layer_output_and_restores_the_weights():
+    """`objective: block`: a candidate's error is the layer output MSE with the group's Linears
+    fake-quantized (s = 1: plain RTN of them), and the float weights are back afterwards; the
+    chosen scales keep the float model's function."""
+    from quantlab.algorithms.awq import _BlockError, fake_quantize
+
+    model = _model_with_outliers("qwen2")
+    ctx = _layer0_ctx(model, _ids())
+    block = _BlockError.of(ctx, tokens=96)
+    assert len(block.batches) == 1  # the first batch (4 × 48 tokens) covers 96
+    names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+    linears = [ctx.linear(n) for n in names]
+    before = [lin.weight.detach().clone() for lin in linears]
+    got = block.error(linears, torch.ones(64), ASYM)
+    assert all(torch.equal(lin.weight, w) for lin, w in zip(linears, before))
+    for lin in linears:
+        lin.weight.data = fake_quantize(lin.weight.data, ASYM)
+    expected = (dataclasses.replace(ctx, batches=block.batches).forward()[0] - block.reference[0]).pow(2).mean()
+    assert got == pytest.approx(expected.item(), rel=1e-5)
+    ids = _ids()
+    model = _model_with_outliers("qwen2")
+    reference = model(ids).logits
+    awq = AWQ(ASYM, max_tokens=256, objective="block", block_tokens=96)
+    _scale_only(model, awq, ids)
+    assert any(r.get("alpha") is not None for r in awq.records if r["prev"] == "input_layernorm")
+    assert torch.allclose(model(ids).logits, reference, atol=1e-4, rtol=1e-4)
 
 
 class _Spy:

@@ -22,7 +22,8 @@ def build_algorithm(entry: StageEntry) -> LayerAlgorithm:
     if entry.kind == "awq":
         return AWQ(scheme=config.weights, grid=config.grid, duo_scaling=config.duo_scaling, clip=config.clip,
                    clip_grid=config.clip_grid, max_shrink=config.max_shrink, clip_skip=config.clip_skip,
-                   max_tokens=config.max_tokens, ignore=config.ignore)
+                   max_tokens=config.max_tokens, ignore=config.ignore, objective=config.objective,
+                   block_tokens=config.block_tokens)
     if entry.kind == "smoothquant":
         return SmoothQuant(alpha=config.alpha, search=config.search, grid=config.grid, weights=config.weights,
                            activations=config.activations, max_tokens=config.max_tokens, skip=config.skip)

@@ -377,7 +377,8 @@ class AWQ:
     ignore: list[str] = field(default_factory=list)
     # "block": the scales of a group fed by a norm (q/k/v, gate/up) are judged on the decoder
     # layer's output, as AutoAWQ judges them on the attention / MLP output, over the first
-    # batches covering `block_tokens`; "linear": on the group's Linear outputs (Gram form)
+    # batches covering `block_tokens`; "linear": on the group's Linear outputs (Gram form).
+    # MoE layers always use "linear" (their experts' routed Grams).
     objective: str = "linear"
     block_tokens: int = 2048
     records: list[dict[str, Any]] = field(default_factory=list)  # one per scaling group / clip
