@@ -37,14 +37,7 @@ SCHEMES = [ASYM, WeightScheme(bits=4, symmetric=True, group_size=32),
            WeightScheme(bits=4, symmetric=True, group_size=64)]  # 96 inputs: tail group of 32
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tensors are tiny: on a shared CPU, a second OpenMP thread only adds sync stalls
-    (measured 10× slower under load)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _ids(n: int = 8, length: int = 48, seed: int = 0) -> torch.Tensor:

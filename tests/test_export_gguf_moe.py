@@ -51,12 +51,7 @@ def _nll(logits: torch.Tensor, ids: torch.Tensor) -> float:
     return float(-logp.gather(-1, ids[:, 1:, None]).sum())
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 FAMILIES = ["qwen3", *MOE_TYPES]

@@ -39,13 +39,7 @@ ALGORITHMS = {"rtn": lambda: RTN(SCHEME), "gptq": lambda: GPTQ(SCHEME), "awq": l
 FLOAT_ONLY = ("mlp.gate", "mlp.shared_expert_gate")  # router and shared-expert gate
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: a second OpenMP thread only adds sync stalls on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _ids(n: int = 8, length: int = 32, seed: int = 0) -> torch.Tensor:

@@ -58,7 +58,7 @@ def python_for(engine: Engine, build: bool = True) -> Path | None:
 def score(export: Path, windows: torch.Tensor, build: bool = True, logits: bool = False,
           backend: str | None = None) -> dict[str, Any]:
     """The engine's NLL and perplexity of `windows` under `export` (a directory or .gguf);
-    with `logits`, also every window's logits (`result["logits"]`, HF engines only);
+    with `logits`, also every window's logits (`result["logits"]`, every engine);
     `backend` picks a gptqmodel kernel (BACKEND member name)."""
     family = detect(export)
     engine = ENGINES[f"{family}-moe" if family == "awq" and _is_moe(export) else family]
