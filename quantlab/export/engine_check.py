@@ -45,8 +45,9 @@ ENGINES = {
 def _is_moe(export: Path) -> bool:
     import json
 
-    config = json.loads((export / "config.json").read_text())
-    return bool(config.get("num_local_experts") or config.get("num_experts"))
+    from quantlab.models.arch import n_experts
+
+    return n_experts(json.loads((export / "config.json").read_text())) > 0
 
 
 def python_for(engine: Engine, build: bool = True) -> Path | None:

@@ -54,7 +54,7 @@ from quantlab.export.checks import Report
 from quantlab.export.source import (Canonical, head_dim, linear_shapes, read_sidecar, router_width, sidecar_source,
                                    write_sidecar)
 from quantlab.formats import K_QUANTS  # through llama.cpp's quantizer
-from quantlab.models.arch import MOE_ARCH_SPECS, ArchSpec, spec_for_config
+from quantlab.models.arch import MOE_ARCH_SPECS, ArchSpec, n_experts, spec_for_config
 from quantlab.quant.primitives import QuantizedWeight
 from quantlab.quant.scheme import WeightScheme
 
@@ -244,11 +244,6 @@ def add_hparams(writer: Any, config: dict[str, Any], file_type: Any, name: str) 
         add_moe_hparams(writer, config)
     writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-
-
-def n_experts(config: dict[str, Any]) -> int:
-    """Routed experts per layer; 0 for a dense model."""
-    return int(config.get("num_local_experts") or config.get("num_experts") or 0)
 
 
 def add_moe_hparams(writer: Any, config: dict[str, Any]) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from quantlab.errors import UserError
-from quantlab.models.arch import ArchSpec, spec_for_config, supported_types
+from quantlab.models.arch import ArchSpec, n_experts, spec_for_config, supported_types
 from quantlab.quant.canonical import SCALES_FILE, input_absmax_key, kv_absmax_keys
 from quantlab.quant.primitives import QuantizedWeight, default_g_idx
 from quantlab.quant.scheme import ActivationScheme, KVCacheScheme, WeightScheme, scheme_from_entry
@@ -221,7 +221,7 @@ def router_width(config: dict[str, Any], name: str) -> int:
     """Output width of a float router Linear: one logit per expert, or the shared-expert gate's one."""
     if name.endswith("shared_expert_gate"):
         return 1
-    return int(config.get("num_local_experts") or config.get("num_experts"))
+    return n_experts(config)
 
 
 def copy_side_files(src: Path, dst: Path) -> list[str]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -249,17 +250,21 @@ MOE_ARCH_SPECS: dict[str, ArchSpec] = {
 }
 
 
+def n_experts(config: dict[str, Any]) -> int:
+    """Routed experts per layer of a saved `config.json` (0: dense); transformers saves the
+    count under `num_local_experts` or `num_experts`, depending on family and version."""
+    return int(config.get("num_local_experts") or config.get("num_experts") or 0)
+
+
 def spec_for_config(config: dict[str, Any]) -> ArchSpec | None:
-    """The spec (experts expanded) of a saved `config.json`; None for an unknown family.
-    transformers saves the expert count under `num_local_experts` or `num_experts`."""
+    """The spec (experts expanded) of a saved `config.json`; None for an unknown family."""
     model_type = config.get("model_type")
     if model_type in ARCH_SPECS:
         return ARCH_SPECS[model_type]
     spec = MOE_ARCH_SPECS.get(model_type)
     if spec is None:
         return None
-    experts = config.get(spec.experts) or config.get("num_local_experts") or config.get("num_experts")
-    return spec.expand(type("Config", (), {spec.experts: int(experts)}))
+    return spec.expand(SimpleNamespace(**{spec.experts: n_experts(config)}))
 
 
 def supported_types() -> list[str]:
