@@ -76,12 +76,16 @@ def tensor_digest(model_dir: Path) -> str:
 # --------------------------------------------------------------------------- here
 
 
-def fetch_wheels(py312: str) -> None:
-    common = ["--no-deps", "-d", str(WHEELS_DIR)]
+def download_wheels(specs: list[str], dest: Path = WHEELS_DIR) -> None:
+    """Binary wheels of `specs` for the device's CPython 3.12 on x86-64 Linux, without their deps."""
     platforms = [a for p in ("manylinux_2_28_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
                              "manylinux2014_x86_64") for a in ("--platform", p)]
-    subprocess.run([sys.executable, "-m", "pip", "download", *common, "--only-binary=:all:", "--python-version",
-                    "3.12", "--implementation", "cp", *platforms, *WHEELS], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(dest), "--only-binary=:all:",
+                    "--python-version", "3.12", "--implementation", "cp", *platforms, *specs], check=True)
+
+
+def fetch_wheels(py312: str) -> None:
+    download_wheels(WHEELS)
     subprocess.run([py312, "-m", "pip", "wheel", "--no-deps", "-w", str(WHEELS_DIR), *BUILT], check=True)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w",
                     str(WHEELS_DIR), "gptqmodel==7.6.0"], check=True, env={**os.environ, "BUILD_CUDA_EXT": "0"})

@@ -27,7 +27,8 @@ def user_errors(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except UserError as exc:
-            typer.echo(f"error: {exc}", err=True)
+            if os.environ.get("RANK", "0") == "0":  # under torchrun every process meets the same bad input
+                typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(code=exc.exit_code) from None
         except KeyboardInterrupt:
             typer.echo("interrupted: finished stages are kept; run the same command to resume", err=True)
@@ -63,15 +64,54 @@ def recipe_path(arg: str) -> Path:
 @app.command()
 @user_errors
 def run(recipe: Annotated[str, typer.Argument(help="recipe YAML file or shipped recipe name")],
-        set_: SetOption = None) -> None:
+        set_: SetOption = None,
+        gpus: Annotated[int, typer.Option(help="calibrate on N GPUs: the same command in N processes "
+                                               "under torchrun; rank 0 writes the run directory")] = 1) -> None:
     """Run a recipe: calibrate, quantize, evaluate, report (resumes a killed run)."""
     from quantlab.recipe import load_recipe
 
     loaded = load_recipe(recipe_path(recipe), set_)
+    if gpus != 1:
+        under = int(os.environ.get("WORLD_SIZE", "1"))
+        if under > 1 and under != gpus:
+            raise UserError(f"--gpus {gpus}: already one of {under} processes under torchrun; leave --gpus out")
+        if under == 1:
+            from quantlab.pipeline import check_gpus
+            from quantlab.plan import preflight
+
+            check_gpus(loaded, gpus)
+            preflight(loaded)
+            raise typer.Exit(code=_torchrun(recipe, set_, gpus))
     _quiet_libraries()
     from quantlab.pipeline import run_recipe
 
     run_recipe(loaded)
+
+
+def _torchrun(recipe: str, set_: list[str] | None, gpus: int) -> int:
+    """`quantlab run` again in `gpus` processes under torch.distributed.run (torchrun); returns
+    the exit code of the process that failed first (2 for bad input, which rank 0 printed on one
+    line), or 0. The launcher's own log lines are held back: the processes print what matters."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run as torchrun
+
+    argv = ["--standalone", f"--nproc-per-node={gpus}", "--module", "quantlab", "run", recipe,
+            *(f"--set={item}" for item in set_ or [])]
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // gpus)))
+    logging.disable(logging.ERROR)
+    try:
+        torchrun(get_args_parser().parse_args(argv))
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        if failure.exitcode != UserError.exit_code:
+            why = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+            typer.echo(f"error: calibration process {rank} of {gpus} failed ({why})", err=True)
+        return failure.exitcode if failure.exitcode > 0 else 1
+    finally:
+        logging.disable(logging.NOTSET)
+    return 0
 
 
 @app.command()
@@ -84,22 +124,11 @@ def validate(recipe: Annotated[str, typer.Argument(help="recipe YAML file or shi
 
     loaded = load_recipe(recipe_path(recipe), set_)
     preflight(loaded)
+    from quantlab.memory_plan import announce, device_here
+
+    announce(loaded, device_here(loaded), say=typer.echo)
     stages = " → ".join(s.name for s in build_plan(loaded))
     typer.echo(f"ok: {loaded.name} (model {loaded.model.id}; {stages}; run dir {loaded.run_dir})")
-
-
-def parse_size(text: str) -> int:
-    """`500MB`, `2GB`, `1.5GiB` or a byte count → bytes."""
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-    t = text.strip().lower()
-    num = t.rstrip("kmgib")
-    try:
-        value = float(num) * units[t[len(num):]]
-    except (ValueError, KeyError):
-        raise UserError(f"--max-shard-size {text!r}: expected a size such as 500MB, 2GB or 1GiB") from None
-    if value < 1:
-        raise UserError(f"--max-shard-size {text!r}: must be positive")
-    return int(value)
 
 
 @app.command("export")
@@ -121,7 +150,9 @@ def export_cmd(run_dir: Annotated[Path, typer.Argument(help="run directory (or i
     if unknown:
         raise UserError(f"--format {unknown[0]!r}: unknown; formats: {', '.join(FORMATS)}")
     root = out or (canonical.parent / "export")
-    shard = parse_size(max_shard_size) if max_shard_size else None
+    from quantlab.memory_plan import parse_size
+
+    shard = parse_size(max_shard_size, "--max-shard-size") if max_shard_size else None
     _quiet_libraries()
     for fmt in dict.fromkeys(format_):
         report = export(canonical, root / fmt, fmt, max_shard_bytes=shard)

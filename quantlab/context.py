@@ -54,6 +54,27 @@ class RunContext:
         del self._cache["float"]
         return model
 
+    def float_layers(self) -> tuple[torch.nn.Module, Any]:
+        """The float model with its decoder layers read on demand (`sources.load_for_quantize`),
+        and their store; a model that can only be loaded whole (or is already loaded) is the
+        shared float model, with store None. A lazily built model is never cached: it is cheap
+        to rebuild, and a stage may change it."""
+        if "float" not in self._cache:
+            with step(f"loading {self.recipe.model.id}"):
+                model, store = sources.load_for_quantize(self.recipe.model, self.resolved)
+            if store is not None:
+                return model, store
+            self._cache["float"] = model
+        return self._cache["float"], None
+
+    def quantize_model(self) -> tuple[torch.nn.Module, Any]:
+        """`float_layers` for the quantize stage, which changes the model in place (a shared
+        float model is taken out of the cache: later stages reload)."""
+        model, store = self.float_layers()
+        if store is None:
+            del self._cache["float"]
+        return model, store
+
     @property
     def dtype(self) -> torch.dtype:
         return sources.DTYPES[self.recipe.model.dtype]

@@ -1,7 +1,14 @@
-"""Execute a plan over a run directory, skipping stages that are already done."""
+"""Execute a plan over a run directory, skipping stages that are already done.
+
+Under torchrun (`quantlab run --gpus N`) every process runs this with the same recipe: rank 0
+runs the calibration stage and the quantize stage first, then everything else, alone; the
+other processes wait for rank 0 to reach the quantize stage (its calibration tokens are then
+on disk), run that stage with it (the collectives; rank 0 writes the run directory), and exit.
+"""
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
@@ -10,7 +17,10 @@ import torch
 
 from quantlab.admission import admit
 from quantlab.context import RunContext, pick_device
-from quantlab.plan import build_plan, preflight
+from quantlab.engine import distributed
+from quantlab.engine.observers import require_reducible
+from quantlab.memory_plan import announce
+from quantlab.plan import Stage, build_plan, preflight
 from quantlab.progress import console
 from quantlab.errors import UserError
 from quantlab.recipe import Recipe, dump_recipe, load_recipe
@@ -18,6 +28,7 @@ from quantlab.rundir import RunDir, write_text_atomic
 
 
 QUANTIZING = ("calibration", "quantize", "export")
+COLLECTIVE = ("calibration", "quantize")  # what rank 0 runs first under several processes
 EVALUATION_KEYS = ("evaluate", "verify", "device")
 
 
@@ -26,15 +37,30 @@ def run_recipe(recipe: Recipe, run_dir: Path | None = None, fixed: dict[str, str
     keys of finished stages to keep as they are (`evaluate_run`)."""
     preflight(recipe)
     device = pick_device(recipe.device)
+    world = distributed.init_from_env(device.type)
+    if world.active:
+        check_distributed(recipe, world.size)
+        device, console.quiet = world.device, not world.main
+    memory = None if fixed else announce(recipe, device, note=False)  # before anything is written
     plan = build_plan(recipe, fixed)
     torch.manual_seed(recipe.seed)
+    if not world.main:
+        return _quantize_with_rank0(recipe, run_dir or recipe.run_dir, plan, device)
     run = RunDir.open(run_dir or recipe.run_dir)
     try:
         write_text_atomic(run.path / "recipe.resolved.yaml", dump_recipe(recipe))
         ctx = RunContext(recipe, run, device)
         run.manifest["model"] = {"id": recipe.model.id, **ctx.resolved.describe()}
         admit(recipe, Path(ctx.resolved.location))  # preflight skips a model not yet on disk
-        for stage in plan:
+        if memory is None and not fixed:  # the config.json came with the model
+            memory = announce(recipe, device, Path(ctx.resolved.location))
+        if memory is not None:
+            run.manifest["memory_plan"] = memory.to_dict()
+        for stage in sorted(plan, key=lambda s: s.name not in COLLECTIVE) if world.active else plan:
+            if stage.name not in COLLECTIVE:
+                distributed.close()  # the rest is rank 0's alone
+            elif world.active and stage.name == "quantize":  # the others start quantizing with us
+                distributed.broadcast_object(run.is_done(stage.name, stage.key))
             if run.is_done(stage.name, stage.key):
                 console.print(f"[dim]skip {stage.name}: done (key {stage.key})[/dim]")
                 continue
@@ -50,6 +76,44 @@ def run_recipe(recipe: Recipe, run_dir: Path | None = None, fixed: dict[str, str
             shutil.rmtree(run.path, ignore_errors=True)  # nothing worth resuming: leave no trace
         raise
     console.print(f"[green]done[/green]: {run.path}/reports/report.md")
+    return run
+
+
+def check_distributed(recipe: Recipe, size: int) -> None:
+    """Refuse, before anything runs, what `size` calibration processes cannot do."""
+    calib = recipe.calibration
+    if calib is not None and calib.num_samples < size:
+        raise UserError(f"calibration.num_samples: {calib.num_samples} samples cannot be split over {size} "
+                        f"processes; give at least {size}")
+    for i, entry in enumerate(recipe.stages):
+        if entry.kind == "act_ranges" and entry.config.activations is not None:
+            require_reducible(entry.config.activations.observer, f"stages[{i}].act_ranges.activations.observer")
+
+
+def check_gpus(recipe: Recipe, gpus: int) -> None:
+    """`--gpus N`, before N processes start: N CUDA devices here (or, with
+    QUANTLAB_DISTRIBUTED_BACKEND=gloo, N CPU processes: how tests run the multi-process path
+    on machines without a GPU), and nothing in the recipe that N processes cannot do."""
+    if gpus < 1:
+        raise UserError(f"--gpus {gpus}: give 1 or more")
+    if os.environ.get(distributed.BACKEND_ENV) != "gloo":
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if found < gpus:
+            raise UserError(f"--gpus {gpus}: {found} CUDA device(s) here (QUANTLAB_DISTRIBUTED_BACKEND=gloo "
+                            "runs CPU processes instead, for tests)")
+        if recipe.device == "cpu":
+            raise UserError(f"--gpus {gpus}: the recipe's device is cpu; set device: cuda or auto")
+    check_distributed(recipe, gpus)
+
+
+def _quantize_with_rank0(recipe: Recipe, path: Path, plan: list[Stage], device: torch.device) -> RunDir:
+    """A process other than rank 0: once rank 0 reaches the quantize stage (the calibration
+    tokens are in the run directory), run it alongside, unless it is done; rank 0 writes."""
+    done = distributed.broadcast_object(None)
+    run = RunDir(path)
+    if not done:
+        next(s for s in plan if s.name == "quantize").run(RunContext(recipe, run, device))
+    distributed.close()
     return run
 
 

@@ -54,8 +54,9 @@ def build_plan(recipe: Recipe, fixed: dict[str, str] | None = None) -> list[Stag
     plan: list[Stage] = []
     calib_key = "none"
     if recipe.calibration:
+        # `offload` places the activations, it changes no result: toggling it reuses finished stages
         calib_key = fixed.get("calibration") or content_key(
-            "calibration", code, model, recipe.calibration.model_dump(mode="json"), recipe.seed)
+            "calibration", code, model, recipe.calibration.model_dump(mode="json", exclude={"offload"}), recipe.seed)
         plan.append(Stage("calibration", calib_key, (stages.CALIB_TOKENS, stages.CALIB_INFO), stages.calibrate))
     ppl = recipe.evaluate.perplexity
     ppl_params = ppl.model_dump(mode="json", exclude={"baseline", "kl_divergence"}) if ppl else None

@@ -60,6 +60,10 @@ class CalibrationSpec(Strict):
         "mixture-of-experts models: every expert's statistics (GPTQ Hessian, AWQ Gram, ranges) see every "
         "calibration token, not only those routed to it; routing and layer outputs are unchanged, so no "
         "expert is left without calibration (costs one expert forward per token and expert)"))
+    offload: Literal["none", "cpu"] = Field(default="none", description=(
+        "where the calibration activations (every sample's input and output of the current layer) live "
+        "between uses: none = on the compute device; cpu = in pinned host memory, copied to the GPU one "
+        "batch at a time (less GPU memory, some copy time); placement only: results are identical"))
 
 
 def _scheme_from_preset(value: Any) -> Any:
@@ -319,6 +323,11 @@ class Recipe(Strict):
     @property
     def run_dir(self) -> Path:
         return Path(self.output.dir if self.output.dir else f"runs/{self.name}")
+
+    @property
+    def offload_activations(self) -> bool:
+        """Whether the calibration activations live on the CPU between uses (`calibration.offload`)."""
+        return self.calibration is not None and self.calibration.offload == "cpu"
 
 
 WEIGHT_KINDS = ("rtn", "gptq", "awq")

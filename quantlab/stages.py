@@ -14,20 +14,23 @@ from safetensors.torch import load_file, save_file
 from quantlab.algorithms import build_algorithm
 from quantlab.context import RunContext
 from quantlab.data import sampling, sources as data_sources
+from quantlab.engine import distributed
 from quantlab.engine.expert_coverage import expert_coverage
 from quantlab.engine.linear_error import LinearErrors
-from quantlab.engine.sequential import run_sequential
+from quantlab.engine.memory import MemoryPeaks
+from quantlab.engine.sequential import LayerContext, run_sequential
 from quantlab.eval import rouge, summaries
 from quantlab.eval.divergence import divergence
-from quantlab.eval.perplexity import PerplexityResult, perplexity
+from quantlab.eval.perplexity import PerplexityResult, perplexity, perplexity_by_layer
 from quantlab.formats import keeps_folded_weights
+from quantlab.memory_plan import plan_for
 from quantlab.models.arch import arch_spec_for
 from quantlab.models.moe import calibrate_all_experts
 from quantlab.progress import console, step
 from quantlab.algorithms.act_ranges import ActRanges, canonical_entries
 from quantlab.eval.fake_quant import apply_from_canonical, describe
-from quantlab.quant.canonical import load_fake_quant_model, save_canonical
-from quantlab.quant.scale_tables import scale_tables, write_scale_tables
+from quantlab.quant.canonical import canonical_writer, layer_tensors, load_fake_quant_model
+from quantlab.quant.scale_tables import scale_tables_from_canonical, write_scale_tables
 from quantlab.report import write_report
 from quantlab.rundir import atomic_path, write_text_atomic
 
@@ -72,34 +75,49 @@ def calibration_ids(ctx: RunContext) -> torch.Tensor:
 
 
 def quantize(ctx: RunContext) -> None:
-    model = ctx.take_float_model()
+    """Quantize layer by layer, writing each finished layer into the canonical form at once:
+    with a lazily read checkpoint, host memory holds the non-layer weights and one layer."""
+    model, layer_store = ctx.quantize_model()
     spec = arch_spec_for(model)
     algorithms = [build_algorithm(entry) for entry in ctx.recipe.stages]
     head = [a for a, entry in zip(algorithms, ctx.recipe.stages) if getattr(entry.config, "lm_head", False)]
     ids = calibration_ids(ctx)
-    start = time.perf_counter()
+    peaks = MemoryPeaks.start(ctx.device)
     scales: dict[str, torch.Tensor] = {}
     folded = {} if keeps_folded_weights(ctx.recipe.export) else None
     steps = len(spec.decoder_layers(model)) + bool(head)
     errors, routed = LinearErrors(), {}
     all_experts = ctx.recipe.calibration is not None and ctx.recipe.calibration.all_experts
     calibrate_all_experts(model, all_experts)
-    with step(f"quantize ({' → '.join(e.kind for e in ctx.recipe.stages)})", steps) as update:
-        quantized = run_sequential(model, spec, ids, algorithms, ctx.device, on_layer=update, scales=scales,
-                                   folded=folded, head_algorithms=head, errors=errors, routed=routed)
-    seconds = time.perf_counter() - start
-    extra = {"stages": [e.dump() for e in ctx.recipe.stages],
-             "quantize_seconds": round(seconds, 2), "source_model": ctx.recipe.model.id}
-    ranges = next((a for a in reversed(algorithms) if isinstance(a, ActRanges)), None)
-    extra.update(canonical_entries(ranges, scales))
-    extra.update({f"{type(a).__name__.lower()}_summary": a.summary() for a in algorithms if hasattr(a, "summary")})
+    if not distributed.current().main:  # another calibration process: the same collectives, no files
+        run_sequential(model, spec, ids, algorithms, ctx.device, head_algorithms=head, errors=errors,
+                       layers_from=layer_store, offload=ctx.recipe.offload_activations)
+        return
     target = ctx.run.resolve(QUANTIZED)
-    save_canonical(target, model, quantized, ctx.tokenizer, extra, scales=scales, folded=folded)
-    console.print(f"quantize: {len(quantized)} Linears in {seconds:.1f} s")
+    with canonical_writer(target) as writer:
+        def write_block(block: LayerContext) -> None:
+            writer.add_block(layer_tensors(block.prefix, block.layer, block.quantized),
+                             {block.full_name(n): qw for n, qw in block.quantized.items()})
+
+        with step(f"quantize ({' → '.join(e.kind for e in ctx.recipe.stages)})", steps) as update:
+            run_sequential(model, spec, ids, algorithms, ctx.device, on_layer=update, scales=scales,
+                           folded=folded, head_algorithms=head, errors=errors, routed=routed,
+                           layers_from=layer_store, sink=write_block, offload=ctx.recipe.offload_activations)
+        extra = {"stages": [e.dump() for e in ctx.recipe.stages], **peaks.stop(),
+                 "source_model": ctx.recipe.model.id, "lazy_loading": layer_store is not None}
+        if (estimate := plan_for(ctx.recipe, ctx.device, Path(ctx.resolved.location))) is not None:
+            extra["memory_plan"] = estimate.to_dict()  # beside the measured peaks
+        ranges = next((a for a in reversed(algorithms) if isinstance(a, ActRanges)), None)
+        extra.update(canonical_entries(ranges, scales))
+        extra.update({f"{type(a).__name__.lower()}_summary": a.summary() for a in algorithms if hasattr(a, "summary")})
+        writer.finish(model, ctx.tokenizer, extra=extra, scales=scales, folded=folded)
+    console.print(f"quantize: {len(writer.modules)} Linears in {extra['quantize_seconds']:.1f} s, peak "
+                  + ", ".join(f"{k.removeprefix('peak_').removesuffix('_bytes')} {v / 2**30:.1f} GiB"
+                              for k, v in extra.items() if k.startswith("peak_")))
     write_text_atomic(ctx.run.resolve(LINEAR_ERRORS), json.dumps(
         {"tokens_per_linear": errors.tokens, "linears": errors.results}, indent=1) + "\n")
     if ranges is not None:
-        _write_scale_tables(target, model, extra, quantized, scales)
+        _write_scale_tables(target)
     if routed:
         coverage = expert_coverage(routed, all_experts, [e.kind for e in ctx.recipe.stages])
         write_text_atomic(ctx.run.resolve(EXPERT_COVERAGE), json.dumps(coverage, indent=1) + "\n")
@@ -107,11 +125,10 @@ def quantize(ctx: RunContext) -> None:
                       f"calibration token{' (all calibrated on every token)' if all_experts else ''}")
 
 
-def _write_scale_tables(target: Path, model: torch.nn.Module, quant_config: dict[str, Any],
-                        quantized: dict[str, Any], scales: dict[str, torch.Tensor]) -> None:
+def _write_scale_tables(target: Path) -> None:
     """PaddleNLP-style absmax tables next to the canonical form (A8W8 / FP8 / C8 runs)."""
     try:
-        tables = scale_tables(model.config.to_dict(), quant_config, quantized, scales)
+        tables = scale_tables_from_canonical(target)
     except ValueError as exc:
         console.print(f"scale tables: not written ({exc})")
         return
@@ -146,7 +163,17 @@ def _write_perplexity(ctx: RunContext, result: PerplexityResult, label: str, out
 
 
 def evaluate_float(ctx: RunContext) -> None:
-    _evaluate(ctx, ctx.float_model(), "float", PPL_FLOAT)
+    """The float baseline, layer by layer when the checkpoint can be read lazily (no step needs
+    the whole model in host memory), else on the whole model; the same result either way."""
+    model, layers = ctx.float_layers()
+    if layers is None:
+        _evaluate(ctx, model, "float", PPL_FLOAT)
+        return
+    ppl = ctx.recipe.evaluate.perplexity
+    with step(f"perplexity (float, layer by layer, {len(layers)} layers)"):
+        result = perplexity_by_layer(model, layers, eval_tokens(ctx), ppl.seq_len, ppl.max_windows, ctx.device,
+                                     bos=sampling.bos_prefix(ctx.tokenizer))
+    _write_perplexity(ctx, result, "float", PPL_FLOAT)
 
 
 def _fake_quant_model(ctx: RunContext, announce: bool = True) -> torch.nn.Module:

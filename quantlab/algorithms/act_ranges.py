@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from quantlab.engine.observers import RangeObserver, observe_linears
+from quantlab.engine import distributed
+from quantlab.engine.observers import RangeObserver, observe_linears, require_reducible
 from quantlab.engine.sequential import LayerContext, is_ignored
 from quantlab.quant import kv_cache
 from quantlab.quant.canonical import channel_absmax_keys, input_absmax_key, kv_absmax_keys
@@ -35,6 +36,10 @@ class ActRanges:
     activations: ActivationScheme | None = field(default_factory=ActivationScheme)
     kv_cache: KVCacheScheme | None = None
     ignore: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if distributed.current().active and self.activations is not None:  # refused before any forward
+            require_reducible(self.activations.observer, "act_ranges.activations.observer")
 
     def targets(self, ctx: LayerContext) -> list[str]:
         if self.activations is None:
@@ -57,6 +62,11 @@ class ActRanges:
                 stack.enter_context(kv_cache.routed(ctx.layer))
             ranges = [stack.enter_context(kv_cache.observe_kv(a)) for a in attns]
             ctx.forward()
+        for observer in [*obs.inputs.values(), *channels.inputs.values(), *channels.outputs.values()]:
+            observer.reduce()  # every calibration process's tokens
+        for rng in ranges:
+            distributed.max_(rng.k)
+            distributed.max_(rng.v)
         for name in names:
             ctx.scales[input_absmax_key(name)] = obs.inputs[name].result().reshape(())
         for name in ctx.spec.linears:

@@ -44,6 +44,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from quantlab.engine import distributed
 from quantlab.engine.sequential import LayerContext, is_ignored
 from quantlab.models.arch import ArchSpec
 from quantlab.progress import console
@@ -278,6 +279,16 @@ class InputStats:
     def gram(self) -> torch.Tensor:
         return self.gram_sum / self.sampled
 
+    def reduce(self, width: int, device: torch.device, tokens: int, sampled: int) -> None:
+        """Sum every process's sums, given the summed counts (a process this input never
+        reached, a MoE expert not routed to there, adds zeros of its `width`)."""
+        if self.abs_sum is None:
+            self.abs_sum = torch.zeros(width, device=device)
+            self.gram_sum = torch.zeros(width, width, device=device)
+        distributed.sum_(self.abs_sum)
+        distributed.sum_(self.gram_sum)
+        self.tokens, self.sampled = tokens, sampled
+
     def rescale(self, s: torch.Tensor) -> None:
         """The producer absorbed `1 / s`: the inputs are now `X / s`."""
         self.abs_sum = self.abs_sum / s
@@ -329,7 +340,7 @@ def collect_input_stats(
     enter its Gram, as the batch's row sample does not index them."""
     sites = sorted(set(sites))
     sizes = [b.hidden.shape[0] * b.hidden.shape[1] for b in ctx.batches]
-    chosen, rows = token_subsample(sizes, max_tokens, torch.Generator().manual_seed(seed))
+    chosen, rows = _local_subsample(sizes, max_tokens, torch.Generator().manual_seed(seed))
     stats = {name: InputStats() for name in sites}
     batch = -1
 
@@ -351,7 +362,32 @@ def collect_input_stats(
     finally:
         for handle in handles:
             handle.remove()
+    reduce_stats(ctx, stats)
     return stats
+
+
+def _local_subsample(
+    sizes: list[int], max_tokens: int, generator: torch.Generator
+) -> tuple[list[int], list[torch.Tensor]]:
+    """`token_subsample` of this process's batches: drawn over every process's batches in
+    order (the single-process draw), keeping the chosen ones of this share, re-indexed."""
+    if not distributed.current().active:
+        return token_subsample(sizes, max_tokens, generator)
+    everyone, offset = distributed.gather_list(sizes)
+    chosen, rows = token_subsample(everyone, max_tokens, generator)
+    mine = [(i - offset, r) for i, r in zip(chosen, rows) if offset <= i < offset + len(sizes)]
+    return [i for i, _ in mine], [r for _, r in mine]
+
+
+def reduce_stats(ctx: LayerContext, stats: dict[str, InputStats]) -> None:
+    """Sum every process's statistics of each site; sums and counts, so the means are
+    over every token."""
+    if not distributed.current().active:
+        return
+    counts = distributed.sum_(torch.tensor([[st.tokens, st.sampled] for st in stats.values()], dtype=torch.int64))
+    for (name, st), (tokens, sampled) in zip(stats.items(), counts.tolist()):
+        if tokens:
+            st.reduce(ctx.linear(name).weight.shape[1], ctx.device, tokens, sampled)
 
 
 # --------------------------------------------------------------------------- engine adapter
@@ -361,6 +397,13 @@ def collect_input_stats(
 class AWQ:
     """Engine adapter: per layer, observe once (a seeded subsample, seed = layer index), fold
     each scaling group's best scales, clip, and return the RTN codes of the result.
+
+    Under several processes the statistics are reduced as they are collected, and every
+    process then runs the same searches on them: the Gram searches are cheap next to the
+    observation, the block objective's forwards are split over the shares anyway, and each
+    scaling group depends on the folds before it, so spreading the groups would need a
+    broadcast per group. Rank 0's resulting parameters are broadcast once per layer, so the
+    weights are identical everywhere even where kernels are not bitwise deterministic.
 
     `records` keeps one entry per scaling group (chosen α — None when the identity won —,
     its error and plain RTN's, or why the group was skipped) and per clipped Linear.
@@ -397,6 +440,7 @@ class AWQ:
             for name in targets:
                 if not any(fnmatch(name, p) for p in self.clip_skip):
                     self._clip(ctx, name, stats[site_of[name]])
+        distributed.broadcast_parameters_(ctx.layer)
         return {name: quantize_weight(ctx.linear(name).weight.data, self.scheme) for name in targets}
 
     def scale_layer(self, ctx: LayerContext) -> dict[str, InputStats]:
@@ -483,12 +527,14 @@ class _BlockError:
 
     @classmethod
     def of(cls, ctx: LayerContext, tokens: int) -> "_BlockError":
-        chosen, total = [], 0
-        for b in ctx.batches:
-            if total >= tokens:
-                break
-            chosen.append(b)
-            total += b.hidden.shape[0] * b.hidden.shape[1]
+        """Over the first batches covering `tokens` tokens (under several processes, the first
+        of every process's batches in order: each process runs those of its share)."""
+        sizes = (b.hidden.shape[0] * b.hidden.shape[1] for b in ctx.batches)
+        if distributed.current().active:
+            everyone, offset = distributed.gather_list(list(sizes))
+            chosen = ctx.batches[: max(_covering(everyone, tokens) - offset, 0)]
+        else:
+            chosen = ctx.batches[: _covering(sizes, tokens)]
         view = dataclasses.replace(ctx, batches=chosen)
         return cls(view, chosen, view.forward())
 
@@ -503,8 +549,21 @@ class _BlockError:
         finally:
             for lin, w in zip(linears, saved):
                 lin.weight.data = w
-        return sum(float((o.float() - r.float()).pow(2).sum()) for o, r in zip(outs, self.reference)) / \
-            sum(r.numel() for r in self.reference)
+        squared = sum(float((o.float() - r.float()).pow(2).sum()) for o, r in zip(outs, self.reference))
+        count = sum(r.numel() for r in self.reference)
+        if distributed.current().active:
+            squared, count = distributed.sum_(torch.tensor([squared, count], dtype=torch.float64)).tolist()
+        return squared / count
+
+
+def _covering(sizes: Iterable[int], tokens: int) -> int:
+    """How many leading batches of these token counts cover `tokens` tokens (reads no more)."""
+    count, total = 0, 0
+    for size in sizes:
+        if total >= tokens:
+            break
+        count, total = count + 1, total + size
+    return count
 
 
 def _submodule(layer: nn.Module, name: str) -> nn.Module | None:

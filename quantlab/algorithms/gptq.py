@@ -10,7 +10,9 @@ keeps the work in matmuls.
 The algorithm is the pure function `gptq_quantize` (weight + Hessian → codes); `GPTQ` at the
 bottom is the thin adapter to the sequential engine that observes a layer's Linear inputs,
 builds one Hessian per distinct input (q/k/v share one, gate/up another) and writes the
-fake-quantized weights back group by group (`true_sequential`).
+fake-quantized weights back group by group (`true_sequential`). Under several calibration
+processes (`quantlab.engine.distributed`) the Hessians are summed over the processes and each
+group's solves are spread over them (`GPTQ._results`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import ClassVar, Iterator
 
 import torch
 
+from quantlab.engine import distributed
 from quantlab.engine.sequential import LayerContext, is_ignored
 from quantlab.progress import console
 from quantlab.quant.primitives import (
@@ -62,10 +65,16 @@ class HessianAccumulator:
         self.sum.addmm_(x.T, x)
         self.tokens += x.shape[0]
 
-    def hessian(self) -> torch.Tensor:
+    def hessian(self, consume: bool = False) -> torch.Tensor:
+        """`2 X Xᵀ / n`; with `consume`, computed in the running sum's own memory, which the
+        accumulator then gives up (one in × in buffer fewer at the solve: 1.4 GB for a 7B
+        down_proj)."""
         if self.sum is None or self.tokens == 0:
             raise HessianError("no calibration tokens reached this Linear")
-        return self.sum * (2.0 / self.tokens)
+        if not consume:
+            return self.sum * (2.0 / self.tokens)
+        h, self.sum = self.sum.mul_(2.0 / self.tokens), None
+        return h
 
 
 # --------------------------------------------------------------------------- algorithm
@@ -94,13 +103,23 @@ def inverse_hessian_cholesky(
     mean_diag = torch.diagonal(h).mean().item()
     if not torch.isfinite(h).all() or mean_diag <= 0:
         raise HessianError(f"Hessian has non-finite entries or zero diagonal (mean diag {mean_diag})")
-    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    # Damping is written into the diagonal of one flipped copy (from the saved undamped
+    # diagonal, so every retry adds to the same values), and each buffer is dropped as soon as
+    # the next exists: at most three in × in buffers besides `h` live at once.
     flipped = h.flip(0, 1)
+    diagonal = torch.diagonal(flipped)
+    undamped = diagonal.clone()
     for retry in range(max_retries + 1):
         damp = damp_percent * 10**retry * mean_diag
-        lower, info = torch.linalg.cholesky_ex(flipped + damp * eye)
+        diagonal.copy_(undamped + damp)
+        lower, info = torch.linalg.cholesky_ex(flipped)
         if info.item() == 0:
-            return torch.linalg.solve_triangular(lower, eye, upper=False).flip(0, 1), damp, retry
+            del flipped, diagonal
+            eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+            u = torch.linalg.solve_triangular(lower, eye, upper=False)
+            del lower, eye
+            return u.flip(0, 1), damp, retry
+        del lower
     raise HessianError(f"Cholesky failed even with damping {damp:.3g} ({max_retries} retries)")
 
 
@@ -115,6 +134,7 @@ def gptq_quantize(
     static_groups: bool = False,
     mse_clip: bool = False,
     max_retries: int = MAX_DAMP_RETRIES,
+    owns_h: bool = False,
 ) -> GptqResult:
     """Quantize `w [out, in]` against the input Hessian `h [in, in]`.
 
@@ -123,6 +143,8 @@ def gptq_quantize(
     order, so `g_idx` (reported in the original column order) is not `i // G` then —
     unless `static_groups`, where every group's qparams come from the unmodified weight up
     front and `g_idx` stays `i // G` (cheaper kernels, slightly worse error).
+    `owns_h`: `h` is the caller's to give up (a consumed accumulator's): it is modified in place
+    rather than copied.
     `mse_clip` chooses each group's range by a shrink search (`mse_qparams`) instead of its
     min/max: an outlier then costs its own rounding error, not every other weight's resolution.
     """
@@ -133,7 +155,7 @@ def gptq_quantize(
     size = in_f if scheme.group_size is None else scheme.group_size
     # Work on Wᵀ: column j of W is row j here, so every update touches contiguous memory.
     wt = w.detach().float().T.contiguous()
-    h = h.detach().float().clone()
+    h = h.detach().float() if owns_h else h.detach().float().clone()
 
     dead = torch.diagonal(h) == 0  # inputs that were always zero: nothing to fit
     h[dead, dead] = 1.0
@@ -382,13 +404,38 @@ class GPTQ:
             sets = shared_inputs(ctx, names)
             watch = {s[0]: HessianAccumulator() for s in sets}
             entry = _observe(ctx, names, watch, entry, ctx.layer.get_submodule(parent) if parent else None)
-            for members in sets:
-                acc = watch[members[0]]
-                if acc.tokens == 0:  # a MoE expert the router never chose
-                    result.update(self._rtn_fallback(ctx, members))
-                else:
-                    result.update(self._quantize_set(ctx, members, acc.hessian(), acc.tokens))
+            reduce_hessians(ctx, watch)
+            result.update(self._quantize_group(ctx, sets, watch))
         return result
+
+    def _quantize_group(self, ctx: LayerContext, sets: list[list[str]],
+                        watch: dict[str, HessianAccumulator]) -> dict[str, QuantizedWeight]:
+        """Quantize the input sets of one true-sequential group and write each back."""
+        results = self._results(ctx, [members for members in sets if watch[members[0]].tokens], watch)
+        out: dict[str, QuantizedWeight] = {}
+        for members in sets:
+            tokens = watch[members[0]].tokens
+            if tokens == 0:  # a MoE expert the router never chose
+                out.update(self._rtn_fallback(ctx, members))
+            else:
+                out.update(self._write_back(ctx, members, next(results), tokens))
+        return out
+
+    def _results(self, ctx: LayerContext, solved: list[list[str]],
+                 watch: dict[str, HessianAccumulator]) -> Iterator[GptqResult]:
+        """The GPTQ result of each set in `solved`, in order. A single process solves each as
+        it is asked for. Under several processes the sets go round-robin (the i-th to rank
+        i % size), each process solves its own first, then every result is broadcast from its
+        solver, so every process writes the same weights back before the next group observes
+        (the sets of a group are independent: each solve reads only its own Linears)."""
+        world = distributed.current()
+        if not world.active:
+            for members in solved:
+                yield self._solve(ctx, members, watch[members[0]])
+            return
+        mine = {i: self._solve(ctx, members, watch[members[0]])
+                for i, members in enumerate(solved) if i % world.size == world.rank}
+        yield from _spread(mine, len(solved), self.scheme, ctx.device)
 
     def _rtn_fallback(self, ctx: LayerContext, names: list[str]) -> dict[str, QuantizedWeight]:
         """Linears no calibration token reached have no Hessian: round them to nearest, and say so."""
@@ -402,28 +449,80 @@ class GPTQ:
             self.stats[ctx.full_name(name)] = {"tokens": 0}
         return out
 
-    def _quantize_set(self, ctx: LayerContext, names: list[str], h: torch.Tensor,
-                      tokens: int) -> dict[str, QuantizedWeight]:
+    def _solve(self, ctx: LayerContext, names: list[str], acc: HessianAccumulator) -> GptqResult:
         """One GPTQ run over the row-concatenation of Linears sharing H (rows are
-        independent given H, so this equals quantizing each alone, with one column loop)."""
-        linears = [ctx.linear(n) for n in names]
-        rows = [lin.weight.shape[0] for lin in linears]
-        w = torch.cat([lin.weight.data for lin in linears], dim=0)
+        independent given H, so this equals quantizing each alone, with one column loop). The
+        accumulator is consumed: the solve works in its memory."""
+        w = torch.cat([ctx.linear(n).weight.data for n in names], dim=0)
         label = _label(ctx, names)
         try:
-            res = gptq_quantize(w, h, self.scheme, damp_percent=self.damp_percent, block_size=self.block_size,
-                                act_order=self.act_order, static_groups=self.static_groups, mse_clip=self.mse_clip)
+            res = gptq_quantize(w, acc.hessian(consume=True), self.scheme, damp_percent=self.damp_percent,
+                                block_size=self.block_size, act_order=self.act_order,
+                                static_groups=self.static_groups, mse_clip=self.mse_clip, owns_h=True)
         except HessianError as exc:
             raise HessianError(f"gptq: {label}: {exc}") from None
         if res.retries:
             console.print(f"gptq: {label}: Cholesky failed; damping raised {10**res.retries}× to {res.damp:.3g}")
+        return res
+
+    def _write_back(self, ctx: LayerContext, names: list[str], res: GptqResult,
+                    tokens: int) -> dict[str, QuantizedWeight]:
+        """Split a set's result per Linear and write its fake-quantized weights back (the next
+        groups observe the layer as it will be deployed)."""
+        linears = [ctx.linear(n) for n in names]
+        rows = [lin.weight.shape[0] for lin in linears]
         out = {}
         for name, lin, qw in zip(names, linears, _split_rows(res.weight, rows)):
-            lin.weight.data.copy_(qw.dequantize().to(lin.weight.dtype))  # later groups see it
+            lin.weight.data.copy_(qw.dequantize().to(lin.weight.dtype))
             out[name] = qw
             self.stats[ctx.full_name(name)] = {"damp": res.damp, "retries": res.retries, "loss": res.loss,
                                                   "tokens": tokens}
         return out
+
+
+def reduce_hessians(ctx: LayerContext, watch: dict[str, HessianAccumulator]) -> None:
+    """Sum every process's Hessian sums and token counts; a Linear that no token of this
+    process reached (a MoE expert) adds zeros of its input width."""
+    if not distributed.current().active:
+        return
+    tokens = distributed.sum_(torch.tensor([acc.tokens for acc in watch.values()], dtype=torch.int64))
+    for (name, acc), total in zip(watch.items(), tokens.tolist()):
+        acc.tokens = total
+        if total:
+            width = ctx.linear(name).weight.shape[1]
+            if acc.sum is None:
+                acc.sum = torch.zeros(width, width, dtype=torch.float32, device=ctx.device)
+            distributed.sum_(acc.sum)
+
+
+def _spread(mine: dict[int, GptqResult], count: int, scheme: WeightScheme,
+            device: torch.device) -> Iterator[GptqResult]:
+    """All `count` results of a group, one at a time, on every process, the i-th solved by rank
+    i % size (`mine`: this process's, given up as they go): shapes, dtypes and stats travel in
+    one gather per group, the tensors by broadcast from their solver."""
+    world = distributed.current()
+    meta = {i: m for part in distributed.all_gather_object({i: _meta(r) for i, r in mine.items()})
+            for i, m in part.items()}
+    for i in range(count):
+        res = mine.pop(i) if i in mine else _empty_result(meta[i], scheme, device)
+        for t in _tensors(res.weight):
+            distributed.broadcast_(t, src=i % world.size)
+        yield res
+
+
+def _tensors(qw: QuantizedWeight) -> tuple[torch.Tensor, ...]:
+    return qw.codes, qw.scales, qw.zeros, qw.g_idx
+
+
+def _meta(res: GptqResult) -> tuple[list[tuple[tuple[int, ...], torch.dtype]], float, int, float]:
+    return [(tuple(t.shape), t.dtype) for t in _tensors(res.weight)], res.damp, res.retries, res.loss
+
+
+def _empty_result(meta: tuple, scheme: WeightScheme, device: torch.device) -> GptqResult:
+    """A result of the solver's shapes to receive its broadcast into."""
+    shapes, damp, retries, loss = meta
+    tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes]
+    return GptqResult(QuantizedWeight(*tensors, scheme), damp, retries, loss)
 
 
 def _label(ctx: LayerContext, names: list[str]) -> str:

@@ -30,10 +30,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
+from typing import Sequence
 
 import torch
 from torch import nn
 
+from quantlab.engine import distributed
 from quantlab.engine.observers import RangeObserver
 from quantlab.engine.sequential import LayerContext
 from quantlab.models.arch import ScalingGroup
@@ -77,10 +79,18 @@ class GroupInputs:
 
 
 def observe_groups(
-    ctx: LayerContext, groups: list[ScalingGroup], tokens_per_batch: int, generator: torch.Generator
+    ctx: LayerContext, groups: list[ScalingGroup], tokens_per_batch: int, generator: torch.Generator,
+    skip: Sequence[int] = (),
 ) -> dict[str, GroupInputs]:
-    """Per-channel absmax of each group's input over every token, plus a seeded token subsample."""
+    """Per-channel absmax of each group's input over every token, plus a seeded token subsample.
+    Under several processes both cover every process's tokens: absmax is maxed, the subsample
+    gathered in rank order, and `skip` (the token counts of the batches of the processes
+    before this one) advances the generator past their draws, so the subsample is the one a
+    single process draws."""
     seen = {g.prev: GroupInputs() for g in groups}
+    for size in skip if tokens_per_batch else ():
+        for _ in groups:
+            torch.randperm(size, generator=generator)
 
     def hook_for(key: str):
         def hook(_m: nn.Module, args: tuple) -> None:
@@ -98,6 +108,11 @@ def observe_groups(
     finally:
         for h in handles:
             h.remove()
+    if distributed.current().active:
+        for inputs in seen.values():
+            inputs.absmax.reduce()
+            if tokens_per_batch:
+                inputs.sample = [distributed.gather_rows(torch.cat(inputs.sample))]
     return seen
 
 
@@ -129,6 +144,15 @@ def deployed_static_absmax(scheme: ActivationScheme, x_absmax: torch.Tensor, s: 
     return (x_absmax.to(s.device) / s).max()
 
 
+def _all_batches(ctx: LayerContext) -> tuple[int, list[int]]:
+    """How many calibration batches every process holds together, and the token counts of the
+    batches before this process's share (one process: its own batches, none before)."""
+    if not distributed.current().active:
+        return len(ctx.batches), []
+    sizes, offset = distributed.gather_list([b.hidden.shape[0] * b.hidden.shape[1] for b in ctx.batches])
+    return len(sizes), sizes[:offset]
+
+
 @dataclass
 class SmoothQuant:
     alpha: float = 0.5
@@ -155,8 +179,9 @@ class SmoothQuant:
         ctx.spec.require_dense("smoothquant")
         groups = self.groups(ctx)
         generator = torch.Generator().manual_seed(self.seed * 100_003 + ctx.index)
-        per_batch = -(-self.max_tokens // max(len(ctx.batches), 1)) if self.search else 0
-        inputs = observe_groups(ctx, groups, per_batch, generator)
+        batches, before = _all_batches(ctx)
+        per_batch = -(-self.max_tokens // max(batches, 1)) if self.search else 0
+        inputs = observe_groups(ctx, groups, per_batch, generator, before)
         for group in groups:
             seen = inputs[group.prev]
             linears = [ctx.linear(n) for n in group.linears]
@@ -171,6 +196,7 @@ class SmoothQuant:
                 ctx.spec.fold_scales(ctx.layer.get_submodule(group.prev),
                                      [ctx.layer.get_submodule(n) for n in group.linears], s)
                 ctx.divided_outputs(group.prev, s)
+        distributed.broadcast_parameters_(ctx.layer)  # every process searched the same statistics
         return {}
 
     def _search(

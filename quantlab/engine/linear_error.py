@@ -15,6 +15,10 @@ For every Linear of a block the engine records, on a sample of the block's calib
 `quantized` is null for a MoE expert whose routed tokens changed between the two passes.
 The gap between the two is what the stage's search or error compensation bought (GPTQ, AWQ),
 or how far in-block propagation adds to the rounding (RTN).
+
+Under several calibration processes nothing is reduced: each process's first batch starts its
+contiguous share, so rank 0's (the one written) is the single-process first batch, and its
+errors are the single-process ones.
 """
 
 from __future__ import annotations

@@ -18,11 +18,24 @@ from typing import Any, Callable, Iterator, Literal
 import torch
 from torch import nn
 
+from quantlab.engine import distributed
+from quantlab.errors import UserError
 from quantlab.quant.activations import INT8_MAX, fake_quant, qmax_of
 
 ObserverKind = Literal["absmax", "percentile", "mse", "histogram"]
 QuantKind = Literal["int8", "fp8"]
 BINS = 2048
+# What several calibration processes can combine exactly: a max is a max in any order, but each
+# process's histogram has its own range (rebinned as its data grew), so merged histograms
+# would not be the one a single process builds.
+REDUCIBLE: tuple[ObserverKind, ...] = ("absmax",)
+
+
+def require_reducible(kind: str, field: str = "activations.observer") -> None:
+    """Refuse an observer that several calibration processes cannot combine exactly."""
+    if kind not in REDUCIBLE:
+        raise UserError(f"{field}: {kind} cannot be combined across calibration processes (--gpus); "
+                        f"use {' or '.join(REDUCIBLE)}, or calibrate in one process")
 
 
 @dataclass
@@ -55,6 +68,12 @@ class RangeObserver:
         self.count += a.shape[0]
         if self.kind != "absmax":
             self._update_hist(a.flatten())
+
+    def reduce(self) -> None:
+        """Combine every calibration process's observations (a no-op in one process)."""
+        if distributed.current().active:
+            require_reducible(self.kind)
+            distributed.max_(self.absmax)
 
     def _update_hist(self, a: torch.Tensor) -> None:
         top = float(a.max())

@@ -7,9 +7,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-INDEX = "model.safetensors.index.json"
+from quantlab.models.lazy import INDEX, read_checkpoint
+
 DEFAULT_MAX_SHARD = 5 * 1024**3
 
 
@@ -46,15 +47,7 @@ def save_sharded(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: i
 
 def load_sharded(path: Path) -> dict[str, torch.Tensor]:
     """All tensors of a (possibly sharded) checkpoint; raises FileNotFoundError if none."""
-    if (path / INDEX).is_file():
-        index = json.loads((path / INDEX).read_text())
-        tensors: dict[str, torch.Tensor] = {}
-        for fname in dict.fromkeys(index["weight_map"].values()):
-            tensors.update(load_file(path / fname))
-        return tensors
-    if (path / "model.safetensors").is_file():
-        return load_file(path / "model.safetensors")
-    raise FileNotFoundError(f"{path}: no model.safetensors or {INDEX}")
+    return read_checkpoint(path)
 
 
 def check_index(report, path: Path) -> None:

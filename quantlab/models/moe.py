@@ -21,6 +21,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
+from quantlab.engine import distributed
 from quantlab.errors import UserError
 
 # Fused experts classes with the layout unfused here: [gate; up] concatenated along the
@@ -81,7 +82,8 @@ def mix_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch
 @contextmanager
 def counting_routes(module: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
     """Count the tokens routed to each expert of every `Experts` in `module` while inside; the
-    yielded dict maps each experts module's name to its counts `[E]` on exit."""
+    yielded dict maps each experts module's name to its counts `[E]` on exit, summed over the
+    calibration processes."""
     found = {name: m for name, m in module.named_modules() if isinstance(m, Experts)}
     counts: dict[str, torch.Tensor] = {}
     for m in found.values():
@@ -91,6 +93,8 @@ def counting_routes(module: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
     finally:
         for name, m in found.items():
             counts[name], m.routed = m.routed, None
+    for c in counts.values():  # only once the block finished: every process reaches this
+        distributed.sum_(c)
 
 
 def calibrate_all_experts(model: nn.Module, on: bool) -> int:

@@ -100,6 +100,33 @@ def load_model(spec: ModelSpec, resolved: ResolvedModel) -> torch.nn.Module:
     return model.eval()
 
 
+def load_for_quantize(spec: ModelSpec, resolved: ResolvedModel) -> tuple[torch.nn.Module, Any]:
+    """The model to quantize and where its decoder layers come from: a safetensors checkpoint
+    is read lazily (`quantlab.models.lazy`: host memory holds one layer, not the model); the
+    layer store is None when the model was loaded whole (GGUF, `.bin` checkpoints)."""
+    from quantlab.models.lazy import lazy_model
+
+    location = _local_snapshot(spec, resolved) if not resolved.gguf_file else None
+    lazy = lazy_model(location, DTYPES[spec.dtype], spec.trust_remote_code) if location else None
+    if lazy is None:
+        return load_model(spec, resolved), None
+    return lazy
+
+
+def _local_snapshot(spec: ModelSpec, resolved: ResolvedModel) -> Path | None:
+    """The checkpoint directory on disk: local kinds as resolved; a hub id's config and
+    safetensors files fetched into (or found in) the Hugging Face cache."""
+    if resolved.kind != "hub":
+        return Path(resolved.location)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(resolved.location, revision=resolved.revision,
+                                      allow_patterns=["*.json", "*.safetensors"]))
+    except Exception:  # unreachable hub and no cache: the eager loader says it in one line
+        return None
+
+
 def load_tokenizer(spec: ModelSpec, resolved: ResolvedModel) -> Any:
     from transformers import AutoTokenizer
 

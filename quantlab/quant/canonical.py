@@ -38,12 +38,14 @@ A directory holding
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from quantlab.models.lazy import INDEX, read_checkpoint
 from quantlab.models.moe import unfuse_experts
 from quantlab.quant.activations import compute_dtype
 from quantlab.quant.packing import pack, unpack
@@ -74,46 +76,114 @@ def save_canonical(
     extra: dict[str, Any] | None = None, scales: dict[str, torch.Tensor] | None = None,
     folded: dict[str, torch.Tensor] | None = None,
 ) -> None:
-    """Write the canonical directory; `scales` (named as in the module docstring) go to
-    `scales.safetensors`, their schemes belong in `extra` (`activations`, `kv_cache`);
-    `folded` (full Linear name → float weight before rounding) to `folded.safetensors`."""
-    tensors: dict[str, torch.Tensor] = {}
-    seen: set[tuple[int, tuple[int, ...]]] = set()
-    for name, tensor in model.state_dict().items():
-        module = name.rsplit(".", 1)[0]
-        storage = (tensor.data_ptr(), tuple(tensor.shape))
-        if (module in quantized and name.endswith(".weight")) or storage in seen:
-            continue  # quantized weights are stored as codes; tied weights once
-        seen.add(storage)
-        tensors[name] = tensor.detach().cpu().contiguous()
-    modules = {}
-    for name, qw in quantized.items():
-        if qw.scheme.type == "float":
-            tensors[f"{name}.weight"] = qw.codes.to(torch.float8_e4m3fn).contiguous()
-            scale = qw.scales.float()
-            tensors[f"{name}.weight_scale"] = (scale[:1, 0] if qw.scheme.per_tensor else scale).contiguous()
-        else:
-            tensors[f"{name}.weight_packed"] = pack(qw.codes, qw.scheme.bits)
-            tensors[f"{name}.weight_scale"] = qw.scales.float().contiguous()
-            tensors[f"{name}.weight_zero_point"] = qw.zeros.to(torch.uint8).contiguous()
-            tensors[f"{name}.g_idx"] = qw.g_idx.to(torch.int32).contiguous()
-        modules[name] = {"shape": list(qw.codes.shape), **qw.scheme.model_dump()}
-    config = {"format": FORMAT, "modules": modules, **(extra or {})}
+    """Write the canonical directory of a model held whole in memory; `scales` (named as in the
+    module docstring) go to `scales.safetensors`, their schemes belong in `extra`
+    (`activations`, `kv_cache`); `folded` (full Linear name → float weight before rounding) to
+    `folded.safetensors`."""
+    with canonical_writer(target) as writer:
+        writer.finish(model, tokenizer, quantized, extra, scales, folded)
+
+
+@contextmanager
+def canonical_writer(target: Path) -> Iterator["CanonicalWriter"]:
+    """A `CanonicalWriter` into a temporary sibling of `target` that replaces `target` only
+    once the block returns (an interrupted run leaves no half-written canonical form)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(target) as tmp:
         tmp.mkdir()
-        save_file(tensors, tmp / "model.safetensors", metadata={"format": FORMAT})
-        (tmp / "quant_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        yield CanonicalWriter(tmp)
+
+
+def layer_tensors(prefix: str, layer: torch.nn.Module, quantized: Iterable[str]) -> dict[str, torch.Tensor]:
+    """A block's float tensors under full names, on the CPU, without the weights of its
+    quantized Linears (`quantized`: block-relative names), which are stored as codes."""
+    skip = {f"{name}.weight" for name in quantized}
+    full = (lambda n: f"{prefix}.{n}") if prefix else (lambda n: n)
+    return {full(n): t.detach().cpu().contiguous() for n, t in layer.state_dict().items() if n not in skip}
+
+
+class CanonicalWriter:
+    """Writes the canonical form block by block: each decoder layer's tensors go to their own
+    shard as soon as the layer is quantized (`add_block`), so no step holds every layer's codes;
+    `finish` adds the rest of the model (embeddings, final norm, lm_head) and the metadata.
+    A form written in one piece is the single file `model.safetensors`; a sharded one is
+    `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json`, Hugging Face's
+    layout (`load_canonical` reads both)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.shards: list[str] = []
+        self.weight_map: dict[str, str] = {}
+        self.modules: dict[str, dict[str, Any]] = {}
+        self.total_size = 0
+
+    def add_block(self, tensors: dict[str, torch.Tensor], quantized: dict[str, QuantizedWeight]) -> None:
+        """One shard: float tensors (full names, CPU) and quantized Linears (full names)."""
+        shard = dict(tensors)
+        for name, qw in quantized.items():
+            shard.update(_encoded(name, qw))
+            self.modules[name] = {"shape": list(qw.codes.shape), **qw.scheme.model_dump()}
+        fname = f"shard-{len(self.shards):05d}.safetensors"
+        save_file(shard, self.path / fname, metadata={"format": FORMAT})
+        self.shards.append(fname)
+        self.weight_map.update(dict.fromkeys(shard, fname))
+        self.total_size += sum(t.numel() * t.element_size() for t in shard.values())
+
+    def finish(self, model: torch.nn.Module, tokenizer: Any, quantized: dict[str, QuantizedWeight] | None = None,
+               extra: dict[str, Any] | None = None, scales: dict[str, torch.Tensor] | None = None,
+               folded: dict[str, torch.Tensor] | None = None) -> None:
+        """The last shard (every tensor of `model` not written yet, `quantized` as codes), the
+        index, quant_config.json, scales, folded weights, config and tokenizer."""
+        quantized = quantized or {}
+        rest: dict[str, torch.Tensor] = {}
+        seen: set[tuple[int, tuple[int, ...]]] = set()
+        for name, tensor in model.state_dict().items():
+            storage = (tensor.data_ptr(), tuple(tensor.shape))
+            if name in self.weight_map or (name.removesuffix(".weight") in {**quantized, **self.modules}
+                                          and name.endswith(".weight")) or storage in seen:
+                continue  # written with its block; stored as codes; tied weights once
+            if tensor.is_meta:
+                raise ValueError(f"canonical form: {name} was released before it was written")
+            seen.add(storage)
+            rest[name] = tensor.detach().cpu().contiguous()
+        self.add_block(rest, quantized)
+        self._name_shards()
+        config = {"format": FORMAT, "modules": self.modules, **(extra or {})}
+        (self.path / "quant_config.json").write_text(json.dumps(config, indent=2) + "\n")
         if scales:
             save_file({k: v.detach().float().cpu().contiguous() for k, v in scales.items()},
-                      tmp / SCALES_FILE, metadata={"format": FORMAT})
+                      self.path / SCALES_FILE, metadata={"format": FORMAT})
         if folded:
             save_file({f"{k}.weight": v.detach().half().cpu().contiguous() for k, v in folded.items()},
-                      tmp / FOLDED_FILE, metadata={"format": FORMAT})
-        model.config.save_pretrained(tmp)
+                      self.path / FOLDED_FILE, metadata={"format": FORMAT})
+        model.config.save_pretrained(self.path)
         if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+            model.generation_config.save_pretrained(self.path)
+        tokenizer.save_pretrained(self.path)
+
+    def _name_shards(self) -> None:
+        """Final shard names; the index only when there is more than one."""
+        n = len(self.shards)
+        names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        renamed = dict(zip(self.shards, names))
+        for old, new in renamed.items():
+            (self.path / old).rename(self.path / new)
+        if n > 1:
+            index = {"metadata": {"total_size": self.total_size},
+                     "weight_map": {k: renamed[v] for k, v in self.weight_map.items()}}
+            (self.path / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _encoded(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+    """The stored tensors of quantized Linear `name` (see the module docstring)."""
+    if qw.scheme.type == "float":
+        scale = qw.scales.float()
+        return {f"{name}.weight": qw.codes.to(torch.float8_e4m3fn).contiguous(),
+                f"{name}.weight_scale": (scale[:1, 0] if qw.scheme.per_tensor else scale).cpu().contiguous()}
+    return {f"{name}.weight_packed": pack(qw.codes.cpu(), qw.scheme.bits),
+            f"{name}.weight_scale": qw.scales.float().cpu().contiguous(),
+            f"{name}.weight_zero_point": qw.zeros.to(torch.uint8).cpu().contiguous(),
+            f"{name}.g_idx": qw.g_idx.to(torch.int32).cpu().contiguous()}
 
 
 def load_canonical(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
@@ -121,7 +191,7 @@ def load_canonical(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, Qua
     config = json.loads((source / "quant_config.json").read_text())
     if config.get("format") != FORMAT:
         raise ValueError(f"{source}: not a {FORMAT} directory (format={config.get('format')!r})")
-    tensors = load_file(source / "model.safetensors")
+    tensors = read_checkpoint(source)
     quantized = {}
     for name, info in config["modules"].items():
         scheme = WeightScheme(bits=info["bits"], symmetric=info["symmetric"], group_size=info["group_size"],

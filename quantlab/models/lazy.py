@@ -1,0 +1,136 @@
+"""Lazy loading: the model skeleton without weights, each decoder layer read from the checkpoint
+when the engine reaches it and dropped after.
+
+`from_pretrained` puts the whole model in host RAM (145 GB for a 72B model in bf16) before
+anything else can happen. Quantization never needs that: the engine works on one decoder
+layer at a time. So the skeleton is built with its parameters on the meta device (buffers
+such as RoPE tables are computed as usual), the parts outside the decoder layers (embeddings,
+final norm, lm_head: what capture and the head need) are read from the safetensors files
+right away, and `CheckpointLayers.load` reads one layer's tensors, memory-mapped, straight
+onto the compute device; `release` puts that layer back on the meta device. Host memory is
+then the non-layer weights plus one layer, whatever the depth of the model.
+
+Each tensor is read under the name the family's checkpoints use (`ArchSpec.to_checkpoint`:
+Mixtral's `block_sparse_moe.experts.{e}.w1`, …) and cast to the recipe's dtype exactly as
+`from_pretrained` casts it, so a lazily loaded layer holds the same bits as an eagerly loaded
+one (tests/test_lazy.py). A checkpoint that is not safetensors (GGUF, `.bin`) or whose names
+do not all map is loaded eagerly instead (`lazy_model` returns None).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from torch import nn
+
+from quantlab.models.arch import ArchSpec, arch_spec_for
+from quantlab.models.moe import unfuse_experts
+
+INDEX = "model.safetensors.index.json"
+
+
+def checkpoint_files(location: Path) -> dict[str, Path] | None:
+    """Tensor name → safetensors file of a checkpoint directory (None: no safetensors)."""
+    if (location / INDEX).is_file():
+        weight_map = json.loads((location / INDEX).read_text())["weight_map"]
+        return {name: location / fname for name, fname in weight_map.items()}
+    single = location / "model.safetensors"
+    if not single.is_file():
+        return None
+    with safe_open(single, "pt") as handle:
+        return {name: single for name in handle.keys()}
+
+
+def read_checkpoint(location: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a (possibly sharded) safetensors checkpoint, as stored."""
+    files = checkpoint_files(location)
+    if files is None:
+        raise FileNotFoundError(f"{location}: no model.safetensors or {INDEX}")
+    tensors: dict[str, torch.Tensor] = {}
+    for path in dict.fromkeys(files.values()):
+        tensors.update(load_file(path))
+    return tensors
+
+
+def read_tensors(files: dict[str, Path], names: list[str], dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """`names` read from their files onto `device`, floating-point ones cast to `dtype`. Each
+    file is opened (memory-mapped) once per call and closed after, so its pages stop counting
+    toward the process's memory once the tensors are copied out."""
+    by_file: dict[Path, list[str]] = {}
+    for name in names:
+        by_file.setdefault(files[name], []).append(name)
+    out = {}
+    for path, members in by_file.items():
+        with safe_open(path, "pt", device=str(device)) as handle:
+            for name in members:
+                t = handle.get_tensor(name)
+                out[name] = t.to(dtype) if t.is_floating_point() else t
+    return out
+
+
+def _assign(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Replace `module`'s parameters by `tensors` (module-relative names), keeping them frozen."""
+    for name, tensor in tensors.items():
+        owner, _, leaf = name.rpartition(".")
+        target = module.get_submodule(owner) if owner else module
+        target._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+
+
+@dataclass
+class CheckpointLayers:
+    """The decoder layers of a lazily built model, read from the checkpoint one at a time."""
+
+    model: nn.Module
+    spec: ArchSpec
+    files: dict[str, Path]
+    dtype: torch.dtype
+
+    def __len__(self) -> int:
+        return len(self.spec.decoder_layers(self.model))
+
+    def load(self, index: int, device: torch.device) -> nn.Module:
+        """Decoder layer `index` with its weights read onto `device`."""
+        layer = self.spec.decoder_layers(self.model)[index]
+        prefix = f"{self.spec.layers}.{index}."
+        names = {name: self.spec.to_checkpoint(prefix + name) for name, _ in layer.named_parameters()}
+        tensors = read_tensors(self.files, list(names.values()), self.dtype, device)
+        _assign(layer, {name: tensors[ckpt] for name, ckpt in names.items()})
+        return layer.to(device)  # buffers, if any
+
+    def release(self, index: int) -> None:
+        """Drop layer `index`'s weights (back to the meta device: shapes only)."""
+        self.spec.decoder_layers(self.model)[index].to("meta")
+
+
+def lazy_model(location: Path, dtype: torch.dtype,
+               trust_remote_code: bool = False) -> tuple[nn.Module, CheckpointLayers] | None:
+    """The model with everything but its decoder layers loaded, and the layers' reader; None
+    when the checkpoint cannot be read lazily (not safetensors, or names that do not map)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    files = checkpoint_files(location)
+    if files is None:
+        return None
+    config = AutoConfig.from_pretrained(location, trust_remote_code=trust_remote_code)
+    with init_empty_weights(include_buffers=False), no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    unfuse_experts(model)
+    spec = arch_spec_for(model)
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    wanted = {name: spec.to_checkpoint(name) for name, _ in model.named_parameters() if name not in tied}
+    if not all(ckpt in files for ckpt in wanted.values()):
+        return None
+    outside = {name: ckpt for name, ckpt in wanted.items() if not name.startswith(f"{spec.layers}.")}
+    tensors = read_tensors(files, list(outside.values()), dtype)
+    _assign(model, {name: tensors[ckpt] for name, ckpt in outside.items()})
+    if tied:
+        model.tie_weights()
+    return model.eval(), CheckpointLayers(model, spec, files, dtype)
