@@ -53,7 +53,7 @@ Commands
       while a call ends with "ROWS STILL RUNNING", send the same command again at once; copy each
       call's files into a folder of their own here, e.g. runs/scale_back/<kind>-<n>/ (not under
       runs/scale, which is carried)
-    .venv/bin/python benchmarks/scale.py report runs/scale_back   # → benchmarks/results/scale_h200.{json,md}
+    .venv/bin/python benchmarks/scale.py report runs/scale_back   # → benchmarks/results/scale_nvidia_h200.{json,md}
 
 `device` installs the wheels and quantlab (once per machine), starts the runner in a process
 session of its own (it builds the model under /root/scale/models, then runs the rows in order,
@@ -1337,9 +1337,9 @@ def main() -> None:
     s = sub.add_parser("draw-ids", help="quantlab's calibration ids for the recipes on a model directory")
     s.add_argument("--model", required=True)
     s.add_argument("--out-dir", required=True)
-    s = sub.add_parser("report", help="here: benchmarks/results/scale_h200.{json,md} from returned files")
+    s = sub.add_parser("report", help="here: benchmarks/results/scale_nvidia_h200.{json,md} from returned files")
     s.add_argument("files", nargs="+", help="scale_rows.json files or directories holding them")
-    s.add_argument("--out", default=str(RESULTS / "scale_h200"), help="path without suffix")
+    s.add_argument("--out", default=str(RESULTS / "scale_nvidia_h200"), help="path without suffix")
     args = p.parse_args()
     if getattr(args, "actorder", "x") in ("None", "none", ""):
         args.actorder = None

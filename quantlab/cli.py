@@ -15,6 +15,12 @@ import typer
 from quantlab.errors import UserError
 from quantlab.progress import console
 
+# The engine alternates buffers of very different sizes (a layer's activations, an in × in
+# Hessian and its factors): with fixed segments PyTorch's allocator reserved 19.8 GB for a
+# 10.3 GB peak on a Qwen2-7B-shaped GPTQ run (benchmarks/results/scale_nvidia_h200.md);
+# expandable segments map memory as needed. A user's own setting wins.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Post-training quantization and calibration for LLMs.")
 

@@ -162,10 +162,7 @@ def gptq_quantize(
     wt[dead] = 0.0
 
     if static_groups:
-        st = torch.empty(num_groups(in_f, scheme.group_size), out_f, device=w.device)
-        zt = torch.empty_like(st)
-        for g, start in enumerate(range(0, in_f, size)):
-            st[g], zt[g] = _qparams(wt[start : start + size], bits, sym, mse_clip)
+        st, zt = _static_qparams(wt, size, bits, sym, mse_clip)
     else:
         st = torch.zeros(num_groups(in_f, scheme.group_size), out_f, device=w.device)
         zt = torch.zeros_like(st)
@@ -195,10 +192,24 @@ def gptq_quantize(
 
 
 def _qparams(span: torch.Tensor, bits: int, sym: bool, mse_clip: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and zero per output for `span [columns of one group, out]`."""
+    """Scale and zero per output for `span [..., columns of one group, out]`."""
     if mse_clip:
         return mse_qparams(span, bits, sym)
-    return compute_qparams(span.amin(0), span.amax(0), bits, sym)
+    return compute_qparams(span.amin(-2), span.amax(-2), bits, sym)
+
+
+def _static_qparams(wt: torch.Tensor, size: int, bits: int, sym: bool,
+                    mse_clip: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every group's qparams `[groups, out]` from the unmodified `wt [in, out]`. On a GPU all
+    full groups go through one call (kernel launches are the cost there: the clipping search
+    is a few dozen launches per call); on the CPU one group at a time stays in cache."""
+    in_f, out_f = wt.shape
+    full = in_f - in_f % size
+    spans = [wt[start : start + size] for start in range(0, in_f, size)]
+    if wt.device.type != "cpu" and full:
+        spans = [wt[:full].view(-1, size, out_f), *spans[full // size:]]
+    parts = [_qparams(span, bits, sym, mse_clip) for span in spans]
+    return (torch.cat([s.view(-1, out_f) for s, _ in parts]), torch.cat([z.view(-1, out_f) for _, z in parts]))
 
 
 @contextmanager

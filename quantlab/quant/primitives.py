@@ -77,25 +77,33 @@ def compute_qparams(
 
 
 def mse_qparams(
-    w: torch.Tensor, bits: int, symmetric: bool, grid: int = 100, max_shrink: float = 0.8, norm: float = 2.4
+    w: torch.Tensor, bits: int, symmetric: bool, grid: int = 100, max_shrink: float = 0.8, norm: float = 2.4,
+    chunk_bytes: int = 2**28,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """qparams per column of `w [k, n]` (k values share one scale) whose range is shrunk by the
-    ratio `1 − i/grid` (i ≤ max_shrink·grid) that minimises Σ|fake-quant(w) − w|^norm: the
-    clipping search of the GPTQ reference quantizer (`mse`). Ratio 1 (plain min/max) is a
-    candidate, so the error never exceeds the unclipped one."""
+    """qparams per column of `w [..., k, n]` (k values share one scale; leading dims: several
+    groups at once) whose range is shrunk by the ratio `1 − i/grid` (i ≤ max_shrink·grid)
+    that minimises Σ|fake-quant(w) − w|^norm: the clipping search of the GPTQ reference
+    quantizer (`mse`). Ratio 1 (plain min/max) is a candidate, so the error never exceeds the
+    unclipped one; on ties the larger range wins.
+
+    On a GPU the candidates are evaluated as a batch dimension, `chunk_bytes` of
+    fake-quantized values at a time: a few dozen kernels per call instead of a dozen per
+    candidate, which is what the search cost there (thousands of tiny launches per group). On
+    the CPU one candidate at a time stays in cache and is faster (0.05 s against 0.34 s for a
+    128 × 4096 group on 2 cores); the arithmetic is the same either way."""
     w = w.float()
-    wmin, wmax = w.amin(dim=0), w.amax(dim=0)
-    best_scale, best_zero = compute_qparams(wmin, wmax, bits, symmetric)
-    best_err = (quantize_column(w, best_scale, best_zero, bits) - w).abs_().pow_(norm).sum(dim=0)
-    for i in range(1, int(max_shrink * grid) + 1):
-        ratio = 1 - i / grid
-        scale, zero = compute_qparams(wmin * ratio, wmax * ratio, bits, symmetric)
-        err = (quantize_column(w, scale, zero, bits) - w).abs_().pow_(norm).sum(dim=0)
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best_scale = torch.where(better, scale, best_scale)
-        best_zero = torch.where(better, zero, best_zero)
-    return best_scale, best_zero
+    wmin, wmax = w.amin(dim=-2), w.amax(dim=-2)
+    ratios = torch.tensor([1 - i / grid for i in range(int(max_shrink * grid) + 1)], device=w.device)
+    expand = (-1,) + (1,) * wmin.dim()  # one ratio per candidate, over every column
+    per_candidate = 3 * w.numel() * 4  # the fake-quantized copy and its error terms
+    step = 1 if w.device.type == "cpu" else max(1, chunk_bytes // per_candidate)
+    errors = []
+    for r in ratios.split(step):
+        scale, zero = compute_qparams(wmin * r.view(expand), wmax * r.view(expand), bits, symmetric)
+        q = quantize_column(w, scale.unsqueeze(-2), zero.unsqueeze(-2), bits)
+        errors.append(q.sub_(w).abs_().pow_(norm).sum(dim=-2))
+    best = ratios[torch.cat(errors).argmin(dim=0)]  # argmin: the first, i.e. widest, of equal errors
+    return compute_qparams(wmin * best, wmax * best, bits, symmetric)
 
 
 def group_ranges(w: torch.Tensor, group_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
