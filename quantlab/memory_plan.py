@@ -312,7 +312,7 @@ def _quantize_phases(m: _Shapes, recipe: Recipe, world_size: int, lazy: bool, of
     base = {"layer weights": m.layer_params * m.b, "layer codes": m.codes(list(m.linears.values())),
             "calibration inputs": act_batch if offload else act_set, "rope tables": 0 if offload else rope}
     if n:
-        base["linear-error copies"] = sum(o * i + ERROR_TOKENS * (i + 2 * o) for o, i in m.linears.values()) * FP32
+        base["linear-error samples"] = sum(ERROR_TOKENS * (i + 2 * o) for o, i in m.linears.values()) * FP32
     forward = _forward(m, min(n, BATCH), seq)
     outputs = {"layer outputs": act_batch if offload else act_set}
     phases.append(Phase("quantize: forward", {**base, **outputs, **forward}, host))
@@ -438,6 +438,7 @@ def _quantize_host(m: _Shapes, recipe: Recipe, lazy: bool, offloaded: int) -> Te
     if not lazy:
         host["other layers"] = (m.layers - 1) * one_layer
     host["layer codes"] = HOST_CODE_COPIES * m.codes(list(m.linears.values()))
+    host["linear-error weights"] = sum(o * i for o, i in m.linears.values()) * m.b  # float copies, CPU
     if offloaded:
         host["offloaded activations"] = offloaded
     if keeps_folded_weights(recipe.export):
