@@ -181,12 +181,15 @@ ROWS = {
     "quantlab-gptq": ("quantlab", "gptq", 2048, "gptq_w4g128.yaml",
                       "W4 g128 sym, act_order with static groups, true_sequential, damp 0.01, "
                       "mse_clip (quantlab default)"),
+    "quantlab-gptq-offload": ("quantlab", "gptq", 2048, "gptq_w4g128.yaml",
+                              "as quantlab-gptq, with calibration.offload: cpu (activations on the host)"),
     "quantlab-awq": ("quantlab", "awq", 512, "awq_w4g128.yaml",
                      "W4 g128 asym, grid 20, duo scaling, clip, max_tokens 8192 (quantlab defaults)"),
     "llmcompressor-gptq": ("llmcompressor", "gptq", 2048, None,
                            'GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"], '
                            'actorder="static", dampening_frac=0.01, block_size=128)'),
 }
+ROW_SETTINGS = {"quantlab-gptq-offload": ["calibration.offload=cpu"]}  # --set overrides of a row
 
 GPTQ_RECIPE = """\
 # benchmarks/scale.py: quantlab's quantize stage on big random-weight Qwen2 shapes (no evaluation,
@@ -864,6 +867,7 @@ def rows(args: argparse.Namespace) -> None:
                        str(model_dir), "--run-dir", str(run_dir), "--gpus", str(gpus), "--out", str(stats)]
                 cmd += ["--gpus-flag"] if gpus_flag else []
                 cmd += ["--set", "device=cpu"] if args.device == "cpu" else []
+                cmd += [a for o in ROW_SETTINGS.get(row_id, []) for a in ("--set", o)]
             else:
                 result = folder / "result.json"
                 child_args = ["child-llmcompressor", "--model", str(model_dir), "--calib",
@@ -1093,17 +1097,19 @@ def per_rank(row: dict[str, Any]) -> str:
     return " / ".join(cells)
 
 
-def plan_error(row: dict[str, Any]) -> float | None:
+def plan_error(row: dict[str, Any], measured_key: str) -> float | None:
+    """The plan's GPU estimate against the measured peak (`peak_gpu_allocated_bytes`: what the
+    plan counts, live tensors; or `peak_gpu_reserved_bytes`: that plus the allocator's cache)."""
     est = (row.get("plan") or {}).get("gpu_bytes")
-    measured = max([b for b in row.get("peak_gpu_reserved_bytes") or [] if b] or
-                   [b for b in row.get("peak_gpu_allocated_bytes") or [] if b] or [0])
+    measured = max([b for b in row.get(measured_key) or [] if b] or [0])
     return round(100 * (est / measured - 1), 1) if est and measured else None
 
 
 def derive(rows_: list[dict[str, Any]]) -> None:
     for r in rows_:
         r["s_per_layer"] = round(r["quantize_s"] / r["layers"], 2) if r.get("quantize_s") else None
-        r["plan_error_pct"] = plan_error(r)
+        r["plan_error_pct"] = plan_error(r, "peak_gpu_allocated_bytes")
+        r["plan_error_reserved_pct"] = plan_error(r, "peak_gpu_reserved_bytes")
         r["max_peak_gpu_reserved_bytes"] = max([b for b in r.get("peak_gpu_reserved_bytes") or [] if b] or [0]) or None
 
 
@@ -1138,8 +1144,8 @@ def versus_peer(rows_: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in ok:
         peer = peers.get(group_key(r, *fields))
         if r["tool"] == "quantlab" and peer:
-            out.append({"algorithm": r["algorithm"], "shape": r["shape"], "layers": r["layers"], "gpus": r["gpus"],
-                        "quantlab_s": r["quantize_s"], "llmcompressor_s": peer["quantize_s"],
+            out.append({"row": r["row"], "algorithm": r["algorithm"], "shape": r["shape"], "layers": r["layers"],
+                        "gpus": r["gpus"], "quantlab_s": r["quantize_s"], "llmcompressor_s": peer["quantize_s"],
                         "time_ratio": round(r["quantize_s"] / peer["quantize_s"], 3),
                         "quantlab_gpu_gib": round(r["max_peak_gpu_reserved_bytes"] / GiB, 2) if r["max_peak_gpu_reserved_bytes"] else None,
                         "llmcompressor_gpu_gib": round(peer["max_peak_gpu_reserved_bytes"] / GiB, 2) if peer["max_peak_gpu_reserved_bytes"] else None})
@@ -1151,7 +1157,7 @@ def extrapolate(rows_: list[dict[str, Any]]) -> list[dict[str, Any]]:
     t = a + b·L (and the same for host RSS); with one, s/layer × full layers (the slice's fixed
     costs spread over its layers: errs high). GPU peaks are per layer: not extrapolated."""
     ok = [r for r in rows_ if r["status"] == "ok" and r.get("quantize_s")]
-    fields = ("tool", "algorithm", "shape", "gpus", "samples", "seq_len")
+    fields = ("row", "shape", "gpus", "samples", "seq_len")
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in ok:
         groups.setdefault(group_key(r, *fields), []).append(r)
@@ -1230,17 +1236,18 @@ def markdown(payload: dict[str, Any]) -> str:
              "excluded); llm-compressor's `oneshot` (model loaded before; the slowest rank). s/layer = wall s / layers",
              "- peak GPU GiB per rank: allocated (reserved) by PyTorch's allocator; `smi` = nvidia-smi memory.used "
              "where the tool reported none. Host RSS: getrusage ru_maxrss of the row's process tree. Plan: quantlab's "
-             "memory plan estimate per rank; error = estimate / peak reserved − 1", "",
-             "| tool | algorithm | shape | layers | GPUs | samples×seq | wall s | s/layer | peak GPU GiB per rank "
+             "memory plan estimate per rank; error = estimate / peak allocated − 1 (against peak reserved in brackets)",
+             "",
+             "| row | shape | layers | GPUs | samples×seq | wall s | s/layer | peak GPU GiB per rank "
              "| peak host RSS GiB | plan estimate GiB | plan error % | status |",
-             "|---|---|---|---:|---:|---|---:|---:|---|---:|---:|---:|---|"]
+             "|---|---|---:|---:|---|---:|---:|---|---:|---:|---|---|"]
     for r in rows_:
         status = r["status"] + (f": {r['error']}" if r.get("error") and r["status"] != "ok" else "")
         lines.append("| " + " | ".join([
-            r["tool"], r["algorithm"], r["shape"], f"{r['layers']}/{r['full_layers']}", str(r["gpus"]),
+            r["row"], r["shape"], f"{r['layers']}/{r['full_layers']}", str(r["gpus"]),
             f"{r['samples']}×{r['seq_len']}", fmt(r.get("quantize_s")), fmt(r.get("s_per_layer"), ".2f"),
             per_rank(r), gib(r.get("peak_host_rss_bytes")), gib((r.get("plan") or {}).get("gpu_bytes")),
-            fmt(r.get("plan_error_pct"), "+.1f"), status.replace("|", "\\|")[:300]]) + " |")
+            f"{fmt(r.get('plan_error_pct'), '+.1f')} ({fmt(r.get('plan_error_reserved_pct'), '+.1f')})", status.replace("|", "\\|")[:300]]) + " |")
     if payload["speedups"]:
         lines += ["", "## More GPUs against one", "",
                   "| tool | algorithm | shape | layers | GPUs | wall s, 1 GPU | wall s | speed-up | efficiency |",
@@ -1250,18 +1257,18 @@ def markdown(payload: dict[str, Any]) -> str:
                   for s in payload["speedups"]]
     if payload["versus_llmcompressor"]:
         lines += ["", "## quantlab against llm-compressor (same GPUs, same ids)", "",
-                  "| algorithm | shape | layers | GPUs | quantlab s | llm-compressor s | time ratio | quantlab GPU GiB "
+                  "| quantlab row | shape | layers | GPUs | quantlab s | llm-compressor s | time ratio | quantlab GPU GiB "
                   "| llm-compressor GPU GiB |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-        lines += [f"| {v['algorithm']} | {v['shape']} | {v['layers']} | {v['gpus']} | {v['quantlab_s']:.1f} | "
+        lines += [f"| {v['row']} | {v['shape']} | {v['layers']} | {v['gpus']} | {v['quantlab_s']:.1f} | "
                   f"{v['llmcompressor_s']:.1f} | {v['time_ratio']:.2f} | {fmt(v['quantlab_gpu_gib'], '.1f')} | "
                   f"{fmt(v['llmcompressor_gpu_gib'], '.1f')} |" for v in payload["versus_llmcompressor"]]
     if payload["extrapolated"]:
         lines += ["", "## Extrapolated to the full depth (NOT measured)", "",
                   "From the slices' per-layer figures; peak GPU memory is one layer's and is not extrapolated.", "",
-                  "| tool | algorithm | shape | GPUs | samples×seq | measured layers | full layers | extrapolated wall s "
+                  "| row | shape | GPUs | samples×seq | measured layers | full layers | extrapolated wall s "
                   "| extrapolated s/layer | extrapolated host RSS GiB | method |",
-                  "|---|---|---|---:|---|---|---:|---:|---:|---:|---|"]
-        lines += [f"| {e['tool']} | {e['algorithm']} | {e['shape']} | {e['gpus']} | {e['samples']}×{e['seq_len']} | "
+                  "|---|---|---:|---|---|---:|---:|---:|---:|---|"]
+        lines += [f"| {e['row']} | {e['shape']} | {e['gpus']} | {e['samples']}×{e['seq_len']} | "
                   f"{', '.join(map(str, e['from_layers']))} | {e['full_layers']} | {e['wall_s']:.1f} | "
                   f"{e['s_per_layer']:.2f} | {gib(e.get('peak_host_rss_bytes'))} | {e['method']} |"
                   for e in payload["extrapolated"]]
