@@ -191,23 +191,25 @@ ROWS = {
 }
 ROW_SETTINGS = {"quantlab-gptq-offload": ["calibration.offload=cpu"]}  # --set overrides of a row
 
-GPTQ_RECIPE = """\
+RECIPE = """\
 # benchmarks/scale.py: quantlab's quantize stage on big random-weight Qwen2 shapes (no evaluation,
 # no export). model.id and output.dir are set by the runner with --set; relative paths resolve
 # against the repository root (the runner's working directory).
-name: scale_gptq_w4g128
+name: {name}
 seed: 0
 device: cuda
 model:
-  id: {model}
+  id: {{model}}
   dtype: bfloat16
 calibration:
   dataset:
-    source: runs/scale/{train}
-  num_samples: {samples}
-  seq_len: 2048
+    source: runs/scale/{{train}}
+  num_samples: {{samples}}
+  seq_len: {seq_len}
   strategy: random_windows
 stages:
+{stage}"""
+GPTQ_RECIPE = RECIPE.format(name="scale_gptq_w4g128", seq_len=2048, stage="""\
   - gptq:
       weights: {{bits: 4, symmetric: true, group_size: 128}}
       damp_percent: 0.01
@@ -216,32 +218,15 @@ stages:
       static_groups: true
       true_sequential: true
       mse_clip: true
-"""
-
-AWQ_RECIPE = """\
-# benchmarks/scale.py: quantlab's quantize stage on big random-weight Qwen2 shapes (no evaluation,
-# no export). model.id and output.dir are set by the runner with --set; relative paths resolve
-# against the repository root (the runner's working directory).
-name: scale_awq_w4g128
-seed: 0
-device: cuda
-model:
-  id: {model}
-  dtype: bfloat16
-calibration:
-  dataset:
-    source: runs/scale/{train}
-  num_samples: {samples}
-  seq_len: 512
-  strategy: random_windows
-stages:
+""")
+AWQ_RECIPE = RECIPE.format(name="scale_awq_w4g128", seq_len=512, stage="""\
   - awq:
       weights: {{bits: 4, symmetric: false, group_size: 128}}
       grid: 20
       duo_scaling: true
       clip: true
       max_tokens: 8192
-"""
+""")
 
 
 def now() -> str:

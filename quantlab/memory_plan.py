@@ -9,8 +9,8 @@ B = 8 samples per batch, H = hidden size, I = the widest MLP input, V = vocab si
 
 Quantize stage, per decoder layer on the compute device (`engine.sequential`):
   * base, in every phase of a layer: the layer's weights (MoE: every expert) in b; its codes
-    (1 byte per weight, plus fp32 scales and uint8 zeros per group); `LinearErrors`' fp32 copy of
-    every Linear's weight and its 1024-token input/output samples; the calibration inputs
+    (1 byte per weight, plus fp32 scales and uint8 zeros per group); `LinearErrors`' 1024-token
+    fp32 input/output samples (its copies of the float weights wait on the host); the calibration inputs
     n·S·H·b (one batch B·S·H·b with `calibration.offload: cpu`) and RoPE cos/sin, 2·S·head_dim·b
     per batch;
   * forward (the engine's pass to the next layer): the layer outputs (n·S·H·b; one batch when
@@ -385,14 +385,10 @@ def _records(names: list[str], following: list[str]) -> bool:
     """Whether GPTQ's pass over `names` records the inputs of the module holding `following`
     (`gptq._observe`): it does when that module is entered before any of `names` runs, i.e. when
     it holds them too (the attention for q/k/v → o; the MLP for gate/up → down)."""
-    parts = [n.split(".")[:-1] for n in following]
-    parent = []
-    for level in zip(*parts):
-        if len(set(level)) > 1:
-            break
-        parent.append(level[0])
-    prefix = ".".join(parent) + "."
-    return bool(parent) and all(n.startswith(prefix) for n in names)
+    from quantlab.algorithms.gptq import common_parent
+
+    parent = common_parent(following)
+    return bool(parent) and all(n.startswith(parent + ".") for n in names)
 
 
 def _awq(m: _Shapes, forward: Terms, batch_tokens: int, chosen: int) -> Terms:
@@ -683,7 +679,9 @@ def plan_for(recipe: Recipe, device: torch.device | str | None = None,
 
 
 def _has_safetensors(directory: Path) -> bool:
-    return (directory / "model.safetensors").is_file() or (directory / "model.safetensors.index.json").is_file()
+    from quantlab.models.lazy import INDEX
+
+    return (directory / "model.safetensors").is_file() or (directory / INDEX).is_file()
 
 
 def device_here(recipe: Recipe) -> torch.device | None:

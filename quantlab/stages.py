@@ -89,9 +89,9 @@ def quantize(ctx: RunContext) -> None:
     errors, routed = LinearErrors(), {}
     all_experts = ctx.recipe.calibration is not None and ctx.recipe.calibration.all_experts
     calibrate_all_experts(model, all_experts)
+    engine = dict(head_algorithms=head, errors=errors, layers_from=layer_store, offload=ctx.recipe.offload_activations)
     if not distributed.current().main:  # another calibration process: the same collectives, no files
-        run_sequential(model, spec, ids, algorithms, ctx.device, head_algorithms=head, errors=errors,
-                       layers_from=layer_store, offload=ctx.recipe.offload_activations)
+        run_sequential(model, spec, ids, algorithms, ctx.device, **engine)
         return
     target = ctx.run.resolve(QUANTIZED)
     with canonical_writer(target) as writer:
@@ -101,8 +101,7 @@ def quantize(ctx: RunContext) -> None:
 
         with step(f"quantize ({' → '.join(e.kind for e in ctx.recipe.stages)})", steps) as update:
             run_sequential(model, spec, ids, algorithms, ctx.device, on_layer=update, scales=scales,
-                           folded=folded, head_algorithms=head, errors=errors, routed=routed,
-                           layers_from=layer_store, sink=write_block, offload=ctx.recipe.offload_activations)
+                           folded=folded, routed=routed, sink=write_block, **engine)
         extra = {"stages": [e.dump() for e in ctx.recipe.stages], **peaks.stop(),
                  "source_model": ctx.recipe.model.id, "lazy_loading": layer_store is not None}
         if (estimate := plan_for(ctx.recipe, ctx.device, Path(ctx.resolved.location))) is not None:

@@ -369,7 +369,7 @@ def _observe(
     return recorded if recorded is not None and len(recorded.calls) == len(calls) else None
 
 
-def _common_parent(names: list[str]) -> str:
+def common_parent(names: list[str]) -> str:
     """Deepest module containing all `names` (`mlp` for gate/up/down); "" for the layer."""
     parts = [n.split(".")[:-1] for n in names]
     common = []
@@ -411,7 +411,7 @@ class GPTQ:
         for i, names in enumerate(plan):
             # A pass may record the inputs of the module holding the next group (the MLP
             # while observing gate/up) so the next pass starts there, not at the layer.
-            parent = _common_parent(plan[i + 1]) if i + 1 < len(plan) else ""
+            parent = common_parent(plan[i + 1]) if i + 1 < len(plan) else ""
             sets = shared_inputs(ctx, names)
             watch = {s[0]: HessianAccumulator() for s in sets}
             entry = _observe(ctx, names, watch, entry, ctx.layer.get_submodule(parent) if parent else None)
@@ -538,7 +538,7 @@ def _empty_result(meta: tuple, scheme: WeightScheme, device: torch.device) -> Gp
 
 def _label(ctx: LayerContext, names: list[str]) -> str:
     """`model.layers.3.mlp.experts.5.gate_proj+up_proj` for log lines."""
-    parent = ".".join(filter(None, (ctx.prefix, _common_parent(names))))
+    parent = ".".join(filter(None, (ctx.prefix, common_parent(names))))
     return f"{parent}.{'+'.join(n.rsplit('.', 1)[-1] for n in names)}"
 
 
