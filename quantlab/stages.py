@@ -21,7 +21,7 @@ from quantlab.engine.memory import MemoryPeaks
 from quantlab.engine.sequential import LayerContext, run_sequential
 from quantlab.eval import rouge, summaries
 from quantlab.eval.divergence import divergence
-from quantlab.eval.perplexity import PerplexityResult, perplexity, perplexity_by_layer
+from quantlab.eval.perplexity import PerplexityResult, perplexity
 from quantlab.formats import keeps_folded_weights
 from quantlab.memory_plan import plan_for
 from quantlab.models.arch import arch_spec_for
@@ -29,7 +29,7 @@ from quantlab.models.moe import calibrate_all_experts
 from quantlab.progress import console, step
 from quantlab.algorithms.act_ranges import ActRanges, canonical_entries
 from quantlab.eval.fake_quant import apply_from_canonical, describe
-from quantlab.quant.canonical import canonical_writer, layer_tensors, load_fake_quant_model
+from quantlab.quant.canonical import canonical_model, canonical_writer, layer_tensors, load_fake_quant_model
 from quantlab.quant.scale_tables import scale_tables_from_canonical, write_scale_tables
 from quantlab.report import write_report
 from quantlab.rundir import atomic_path, write_text_atomic
@@ -144,13 +144,14 @@ def eval_tokens(ctx: RunContext) -> torch.Tensor:
     return ctx._cache["eval_tokens"]
 
 
-def _evaluate(ctx: RunContext, model: torch.nn.Module, label: str, output: str) -> None:
+def _evaluate(ctx: RunContext, model: torch.nn.Module, layers: Any, label: str, output: str) -> None:
     ppl = ctx.recipe.evaluate.perplexity
     assert ppl is not None
     stream = eval_tokens(ctx)
-    with step(f"perplexity ({label})") as update:
+    how = ", layer by layer" if layers is not None else ""
+    with step(f"perplexity ({label}{how})") as update:
         result = perplexity(model, stream, ppl.seq_len, ppl.max_windows, ctx.device, on_window=update,
-                            bos=sampling.bos_prefix(ctx.tokenizer))
+                            bos=sampling.bos_prefix(ctx.tokenizer), layers=layers)
     _write_perplexity(ctx, result, label, output)
 
 
@@ -164,40 +165,37 @@ def _write_perplexity(ctx: RunContext, result: PerplexityResult, label: str, out
 def evaluate_float(ctx: RunContext) -> None:
     """The float baseline, layer by layer when the checkpoint can be read lazily (no step needs
     the whole model in host memory), else on the whole model; the same result either way."""
-    model, layers = ctx.float_layers()
-    if layers is None:
-        _evaluate(ctx, model, "float", PPL_FLOAT)
-        return
-    ppl = ctx.recipe.evaluate.perplexity
-    with step(f"perplexity (float, layer by layer, {len(layers)} layers)"):
-        result = perplexity_by_layer(model, layers, eval_tokens(ctx), ppl.seq_len, ppl.max_windows, ctx.device,
-                                     bos=sampling.bos_prefix(ctx.tokenizer))
-    _write_perplexity(ctx, result, "float", PPL_FLOAT)
+    _evaluate(ctx, *ctx.float_layers(), "float", PPL_FLOAT)
 
 
-def _fake_quant_model(ctx: RunContext, announce: bool = True) -> torch.nn.Module:
+def _fake_quant_model(ctx: RunContext, announce: bool = True, by_layer: bool = False) -> tuple[torch.nn.Module, Any]:
+    """The fake-quant model of the run's canonical form, and its layer store: None for a model
+    loaded whole; with `by_layer`, its layers are read (and dequantized) one at a time."""
     source = ctx.run.resolve(QUANTIZED)
-    model = load_fake_quant_model(source, ctx.dtype)
+    model, layers = canonical_model(source, ctx.dtype) if by_layer else (load_fake_quant_model(source, ctx.dtype), None)
     handles = apply_from_canonical(model, source)  # activations / KV as deployed, if quantized
     if announce and (handles.linears or handles.attentions):
         console.print(f"fake quant: {describe(json.loads((source / 'quant_config.json').read_text()))} "
                       f"on {handles.linears} Linears, {len(handles.attentions)} attention modules")
-    return model
+    return model, layers
 
 
 def evaluate_quantized(ctx: RunContext) -> None:
     """Perplexity of the fake-quant model; with the float baseline and `kl_divergence`, in the same
-    pass over the windows, KL(float ‖ quantized) and top-1 agreement (quantlab.eval.divergence)."""
+    pass over the windows, KL(float ‖ quantized) and top-1 agreement (quantlab.eval.divergence).
+    The fake-quant model is read from the canonical form layer by layer (its shards are per
+    layer), the float one where its checkpoint allows: no whole model in host memory."""
     ppl = ctx.recipe.evaluate.perplexity
     assert ppl is not None
+    model, layers = _fake_quant_model(ctx, by_layer=True)
     if not (ppl.baseline and ppl.kl_divergence):
-        _evaluate(ctx, _fake_quant_model(ctx), "quantized", PPL_QUANT)
+        _evaluate(ctx, model, layers, "quantized", PPL_QUANT)
         return
+    float_model, float_layers = ctx.float_layers()
     stream, bos = eval_tokens(ctx), sampling.bos_prefix(ctx.tokenizer)
-    model = _fake_quant_model(ctx)
     with step("perplexity and divergence from float (quantized)") as update:
-        result = divergence(ctx.float_model(), model, stream, ppl.seq_len, ppl.max_windows, ctx.device,
-                            on_window=update, bos=bos)
+        result = divergence(float_model, model, stream, ppl.seq_len, ppl.max_windows, ctx.device,
+                            on_window=update, bos=bos, reference_layers=float_layers, candidate_layers=layers)
     quantized = PerplexityResult.of(result.candidate_mean_nll, result.windows, stream, ppl.seq_len,
                                     result.seconds, bos)
     _write_perplexity(ctx, quantized, "quantized", PPL_QUANT)
@@ -264,7 +262,7 @@ def _summary_generator(ctx: RunContext, label: str, stop: list[int], pad: int,
                  else load_runner(ctx.run.resolve(QUANTIZED), ctx.device, ctx.dtype))
     except UserError as exc:
         console.print(f"summaries ({label}): the runner cannot build this model ({exc}); using transformers")
-        hf = (ctx.float_model() if label == "float" else _fake_quant_model(ctx, announce=False)).to(ctx.device)
+        hf = (ctx.float_model() if label == "float" else _fake_quant_model(ctx, announce=False)[0]).to(ctx.device)
         return summaries.hf_generator(hf, new_tokens, stop, pad), "transformers"
     model.set_attention("triton")  # where Triton runs; else the torch path
 

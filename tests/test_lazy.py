@@ -9,12 +9,13 @@ import torch
 from quantlab.algorithms.rtn import RTN
 from quantlab.engine.linear_error import LinearErrors
 from quantlab.engine.sequential import run_sequential
-from quantlab.eval.perplexity import perplexity, perplexity_by_layer
+from quantlab.eval.divergence import divergence
+from quantlab.eval.perplexity import perplexity
 from quantlab.models.arch import arch_spec_for
 from quantlab.models.builtin import float_checkpoint
 from quantlab.models.lazy import lazy_model
 from quantlab.models.sources import ResolvedModel, load_model
-from quantlab.quant.canonical import canonical_writer, layer_tensors, load_canonical
+from quantlab.quant.canonical import canonical_model, canonical_writer, layer_tensors, load_canonical, load_fake_quant_model
 from quantlab.quant.scheme import PRESETS
 from quantlab.recipe import ModelSpec
 
@@ -30,8 +31,8 @@ def checkpoint():
 
 @pytest.fixture(scope="module")
 def eager(checkpoint):
-    """Loaded once: the first test reads it, the last one quantizes it in place."""
-    return load_model(ModelSpec(id=ALIAS), ResolvedModel("builtin", str(checkpoint), None, None))
+    """Loaded once: the first tests read it, the last one quantizes it in place."""
+    return _eager_float(checkpoint)
 
 
 def test_lazy_tensors_are_the_eager_bits(checkpoint, eager):
@@ -50,12 +51,12 @@ def test_lazy_tensors_are_the_eager_bits(checkpoint, eager):
         assert all(p.is_meta for p in layer.parameters())
 
 
-def test_perplexity_by_layer_is_the_whole_model_perplexity(checkpoint, eager):
+def test_perplexity_layer_by_layer_is_the_whole_model_perplexity(checkpoint, eager):
     """Evaluated first (module order): `eager` is still the float model here."""
     stream = torch.randint(0, 49152, (3 * 64,), generator=torch.Generator().manual_seed(1))
     expected = perplexity(eager, stream, 64)
     model, store = lazy_model(checkpoint, torch.float32)
-    streamed = perplexity_by_layer(model, store, stream, 64)
+    streamed = perplexity(model, stream, 64, layers=store)
     assert streamed.mean_nll == expected.mean_nll and streamed.windows == 3
 
 
@@ -91,3 +92,16 @@ def test_lazy_quantize_writes_the_eager_canonical_form(checkpoint, eager, tmp_pa
     for name, qw in eager_codes.items():
         other = lazy_codes[name]
         assert torch.equal(qw.codes, other.codes) and torch.equal(qw.scales, other.scales), name
+    # the fake-quant model read layer by layer from the canonical shards: the same divergence
+    stream = torch.randint(0, 49152, (2 * 64,), generator=torch.Generator().manual_seed(2))
+    whole = divergence(_eager_float(checkpoint), load_fake_quant_model(tmp_path / "lazy"), stream, 64)
+    float_model, float_layers = lazy_model(checkpoint, torch.float32)
+    quant_model, quant_layers = canonical_model(tmp_path / "lazy")
+    streamed = divergence(float_model, quant_model, stream, 64, reference_layers=float_layers,
+                          candidate_layers=quant_layers)
+    assert streamed.to_dict() | {"seconds": 0} == whole.to_dict() | {"seconds": 0}
+    assert streamed.mean_kld > 0
+
+
+def _eager_float(checkpoint):
+    return load_model(ModelSpec(id=ALIAS), ResolvedModel("builtin", str(checkpoint), None, None))

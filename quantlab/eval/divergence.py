@@ -5,7 +5,8 @@ max) and top-1 agreement, the share of positions where both models' argmax token
 Perplexity averages the log-probability of the one reference token, so a model can keep its
 perplexity while its distribution over the other tokens drifts; llama.cpp's `llama-perplexity
 --kl-divergence` reports these two figures for that reason. Both models run window by window:
-only one window's logits of each are in memory at a time, plus one float per scored token.
+only one window's logits of each are in memory at a time, plus one float per scored token;
+models larger than host memory run layer by layer (`perplexity.window_logits`).
 The candidate's log-probabilities also give its perplexity on the same windows
 (`candidate_mean_nll`), so a run evaluates the quantized model once for both.
 """
@@ -19,7 +20,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from quantlab.eval.perplexity import windows_of
+from quantlab.engine.sequential import LayerStore
+from quantlab.eval.perplexity import window_logits, windows_of
 
 
 @dataclass
@@ -38,11 +40,6 @@ class DivergenceResult:
         return asdict(self)
 
 
-def _log_probs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """Next-token log-probabilities at every position but the last (the positions perplexity scores)."""
-    return F.log_softmax(model(ids, use_cache=False).logits[0, :-1].float(), dim=-1)
-
-
 @torch.no_grad()
 def divergence(
     reference: torch.nn.Module,
@@ -53,17 +50,24 @@ def divergence(
     device: torch.device = torch.device("cpu"),
     on_window: Callable[[int, int], None] | None = None,
     bos: int | None = None,
+    reference_layers: LayerStore | None = None,
+    candidate_layers: LayerStore | None = None,
 ) -> DivergenceResult:
+    """`*_layers`: that model's decoder layers come from the store, one at a time (models
+    larger than host memory; `perplexity.window_logits`)."""
     start = time.perf_counter()
     windows = windows_of(stream, seq_len, max_windows, bos)
+    reference_logits = window_logits(reference, windows, device, reference_layers)
+    candidate_logits = window_logits(candidate, windows, device, candidate_layers)
     per_token: list[torch.Tensor] = []
     agree, nll = 0, 0.0
     for i, window in enumerate(windows):
-        ids = window.unsqueeze(0).to(device)
-        ref, cand = _log_probs(reference, ids), _log_probs(candidate, ids)
+        targets = window[1:].to(device)
+        ref = F.log_softmax(reference_logits(i).float(), dim=-1)
+        cand = F.log_softmax(candidate_logits(i).float(), dim=-1)
         per_token.append((ref.exp() * (ref - cand)).sum(dim=-1).double().cpu())
         agree += int((ref.argmax(dim=-1) == cand.argmax(dim=-1)).sum())
-        nll -= float(cand.gather(-1, ids[0, 1:, None]).double().sum())
+        nll -= float(cand.gather(-1, targets[:, None]).double().sum())
         if on_window:
             on_window(i + 1, len(windows))
     kld = torch.cat(per_token)

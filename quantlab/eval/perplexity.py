@@ -59,6 +59,22 @@ def windows_of(stream: torch.Tensor, seq_len: int, max_windows: int | None, bos:
     return with_bos(stream[: count * step].view(count, step), bos)
 
 
+def window_logits(model: torch.nn.Module, windows: torch.Tensor, device: torch.device,
+                  layers: LayerStore | None = None) -> Callable[[int], torch.Tensor]:
+    """Logits `[seq_len − 1, V]` of window `i` at every position but the last (the positions
+    perplexity scores): one forward of the whole model per window, or, with `layers` (a lazily
+    read checkpoint, `quantlab.models.lazy`), every window through decoder layer i before layer
+    i + 1 is read, then the final norm and lm_head per window. Host memory then holds one
+    layer and the windows' last hidden states (40 × 512 × 8192 in bf16: 0.3 GB for a 72B
+    model), never the whole model; the arithmetic per window is the same (tests/test_lazy.py)."""
+    if layers is None:
+        model.to(device)
+        return lambda i: model(windows[i : i + 1].to(device), use_cache=False).logits[0, :-1]
+    hidden = final_hidden_states(model, arch_spec_for(model), windows, 1, device, layers)
+    head = Head(model.get_submodule(HEAD_SPEC.scaling[0].prev), model.get_output_embeddings()).to(device)
+    return lambda i: head(hidden[i])[0, :-1]
+
+
 @torch.no_grad()
 def perplexity(
     model: torch.nn.Module,
@@ -68,45 +84,17 @@ def perplexity(
     device: torch.device = torch.device("cpu"),
     on_window: Callable[[int, int], None] | None = None,
     bos: int | None = None,
+    layers: LayerStore | None = None,
 ) -> PerplexityResult:
+    """`layers`: the decoder layers come from this store, one at a time (`window_logits`)."""
     start = time.perf_counter()
     windows = windows_of(stream, seq_len, max_windows, bos)
-    model.to(device)
+    logits_of = window_logits(model, windows, device, layers)
     total_nll = 0.0
     for i, window in enumerate(windows):
-        ids = window.unsqueeze(0).to(device)
-        logits = model(ids, use_cache=False).logits[0, :-1].float()
-        total_nll += F.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
+        logits = logits_of(i).float()
+        total_nll += F.cross_entropy(logits, window[1:].to(device), reduction="sum").item()
         if on_window:
             on_window(i + 1, len(windows))
-    mean = total_nll / (len(windows) * (seq_len - 1))
-    return PerplexityResult.of(mean, len(windows), stream, seq_len, time.perf_counter() - start, bos)
-
-
-@torch.no_grad()
-def perplexity_by_layer(
-    model: torch.nn.Module,
-    layers: LayerStore,
-    stream: torch.Tensor,
-    seq_len: int,
-    max_windows: int | None = None,
-    device: torch.device = torch.device("cpu"),
-    bos: int | None = None,
-) -> PerplexityResult:
-    """`perplexity` of a model whose decoder layers come from `layers` one at a time (a lazily
-    read checkpoint, `quantlab.models.lazy`): host memory holds one layer and the windows'
-    hidden states (40 × 512 × 8192 in bf16: 0.3 GB for a 72B model), never the whole model.
-    Same windows, one window per forward as `perplexity`, the same final norm and lm_head:
-    the same result (tests/test_lazy.py)."""
-    start = time.perf_counter()
-    windows = windows_of(stream, seq_len, max_windows, bos)
-    spec = arch_spec_for(model)
-    hidden = final_hidden_states(model, spec, windows, 1, device, layers)
-    head = Head(model.get_submodule(HEAD_SPEC.scaling[0].prev), model.get_output_embeddings()).to(device)
-    total_nll = 0.0
-    for window, h in zip(windows, hidden):
-        logits = head(h)[0, :-1].float()
-        total_nll += F.cross_entropy(logits, window[1:].to(device), reduction="sum").item()
-    head.to("cpu")
     mean = total_nll / (len(windows) * (seq_len - 1))
     return PerplexityResult.of(mean, len(windows), stream, seq_len, time.perf_counter() - start, bos)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from safetensors import safe_open
@@ -57,9 +58,10 @@ def read_checkpoint(location: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def read_tensors(files: dict[str, Path], names: list[str], dtype: torch.dtype,
+def read_tensors(files: dict[str, Path], names: list[str], dtype: torch.dtype | None,
                  device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """`names` read from their files onto `device`, floating-point ones cast to `dtype`. Each
+    """`names` read from their files onto `device`, floating-point ones cast to `dtype` (None:
+    as stored). Each
     file is opened (memory-mapped) once per call and closed after, so its pages stop counting
     toward the process's memory once the tensors are copied out."""
     by_file: dict[Path, list[str]] = {}
@@ -70,7 +72,7 @@ def read_tensors(files: dict[str, Path], names: list[str], dtype: torch.dtype,
         with safe_open(path, "pt", device=str(device)) as handle:
             for name in members:
                 t = handle.get_tensor(name)
-                out[name] = t.to(dtype) if t.is_floating_point() else t
+                out[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
     return out
 
 
@@ -82,14 +84,18 @@ def _assign(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
         target._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
 
 
+# Reads model parameters by their model names onto a device: a checkpoint's tensors, or the
+# canonical form's codes dequantized (`quantlab.quant.canonical.canonical_model`).
+Reader = Callable[[list[str], "torch.device | str"], dict[str, torch.Tensor]]
+
+
 @dataclass
 class CheckpointLayers:
-    """The decoder layers of a lazily built model, read from the checkpoint one at a time."""
+    """The decoder layers of a lazily built model, read one at a time by `read`."""
 
     model: nn.Module
     spec: ArchSpec
-    files: dict[str, Path]
-    dtype: torch.dtype
+    read: Reader
 
     def __len__(self) -> int:
         return len(self.spec.decoder_layers(self.model))
@@ -98,9 +104,9 @@ class CheckpointLayers:
         """Decoder layer `index` with its weights read onto `device`."""
         layer = self.spec.decoder_layers(self.model)[index]
         prefix = f"{self.spec.layers}.{index}."
-        names = {name: self.spec.to_checkpoint(prefix + name) for name, _ in layer.named_parameters()}
-        tensors = read_tensors(self.files, list(names.values()), self.dtype, device)
-        _assign(layer, {name: tensors[ckpt] for name, ckpt in names.items()})
+        names = [name for name, _ in layer.named_parameters()]
+        tensors = self.read([prefix + name for name in names], device)
+        _assign(layer, {name: tensors[prefix + name] for name in names})
         return layer.to(device)  # buffers, if any
 
     def release(self, index: int) -> None:
@@ -108,29 +114,54 @@ class CheckpointLayers:
         self.spec.decoder_layers(self.model)[index].to("meta")
 
 
+def skeleton(config: Any, dtype: torch.dtype, trust_remote_code: bool = False) -> nn.Module:
+    """The model of `config` with every parameter on the meta device (buffers such as RoPE
+    tables computed), experts unfused as the engine wants them."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    with init_empty_weights(include_buffers=False), no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    unfuse_experts(model)
+    return model.eval()
+
+
+def stored_parameters(model: nn.Module) -> list[str]:
+    """The parameters a checkpoint stores: all but a tied lm_head (the embedding's copy)."""
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    return [name for name, _ in model.named_parameters() if name not in tied]
+
+
+def load_outside_layers(model: nn.Module, read: Reader) -> CheckpointLayers:
+    """Read every parameter outside the decoder layers (embeddings, final norm, lm_head; a tied
+    lm_head is tied again) and return the layers' store."""
+    spec = arch_spec_for(model)
+    outside = [name for name in stored_parameters(model) if not name.startswith(f"{spec.layers}.")]
+    _assign(model, read(outside, "cpu"))
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    return CheckpointLayers(model, spec, read)
+
+
 def lazy_model(location: Path, dtype: torch.dtype,
                trust_remote_code: bool = False) -> tuple[nn.Module, CheckpointLayers] | None:
     """The model with everything but its decoder layers loaded, and the layers' reader; None
     when the checkpoint cannot be read lazily (not safetensors, or names that do not map)."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
+    from transformers import AutoConfig
 
     files = checkpoint_files(location)
     if files is None:
         return None
-    config = AutoConfig.from_pretrained(location, trust_remote_code=trust_remote_code)
-    with init_empty_weights(include_buffers=False), no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-    unfuse_experts(model)
+    model = skeleton(AutoConfig.from_pretrained(location, trust_remote_code=trust_remote_code), dtype,
+                     trust_remote_code)
     spec = arch_spec_for(model)
-    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
-    wanted = {name: spec.to_checkpoint(name) for name, _ in model.named_parameters() if name not in tied}
-    if not all(ckpt in files for ckpt in wanted.values()):
+    if not all(spec.to_checkpoint(name) in files for name in stored_parameters(model)):
         return None
-    outside = {name: ckpt for name, ckpt in wanted.items() if not name.startswith(f"{spec.layers}.")}
-    tensors = read_tensors(files, list(outside.values()), dtype)
-    _assign(model, {name: tensors[ckpt] for name, ckpt in outside.items()})
-    if tied:
-        model.tie_weights()
-    return model.eval(), CheckpointLayers(model, spec, files, dtype)
+
+    def read(names: list[str], device: torch.device | str) -> dict[str, torch.Tensor]:
+        stored = {name: spec.to_checkpoint(name) for name in names}
+        tensors = read_tensors(files, list(stored.values()), dtype, device)
+        return {name: tensors[ckpt] for name, ckpt in stored.items()}
+
+    return model, load_outside_layers(model, read)

@@ -45,7 +45,8 @@ from typing import Any, Iterable, Iterator
 import torch
 from safetensors.torch import load_file, save_file
 
-from quantlab.models.lazy import INDEX, read_checkpoint
+from quantlab.models.lazy import (INDEX, CheckpointLayers, checkpoint_files, load_outside_layers, read_checkpoint,
+                                   read_tensors, skeleton)
 from quantlab.models.moe import unfuse_experts
 from quantlab.quant.activations import compute_dtype
 from quantlab.quant.packing import pack, unpack
@@ -192,22 +193,56 @@ def load_canonical(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, Qua
     if config.get("format") != FORMAT:
         raise ValueError(f"{source}: not a {FORMAT} directory (format={config.get('format')!r})")
     tensors = read_checkpoint(source)
-    quantized = {}
-    for name, info in config["modules"].items():
-        scheme = WeightScheme(bits=info["bits"], symmetric=info["symmetric"], group_size=info["group_size"],
-                              type=info.get("type", "int"), per_tensor=info.get("per_tensor", False))
-        out_f, in_f = info["shape"]
-        if scheme.type == "float":
-            quantized[name] = _fp8_weight(tensors.pop(f"{name}.weight"), tensors.pop(f"{name}.weight_scale"), scheme)
-            continue
-        quantized[name] = QuantizedWeight(
-            codes=unpack(tensors.pop(f"{name}.weight_packed"), scheme.bits, in_f),
-            scales=tensors.pop(f"{name}.weight_scale"),
-            zeros=tensors.pop(f"{name}.weight_zero_point"),
-            g_idx=tensors.pop(f"{name}.g_idx"),
-            scheme=scheme,
-        )
+    quantized = {name: _decode(name, info, tensors) for name, info in config["modules"].items()}
     return tensors, quantized
+
+
+def _scheme(info: dict[str, Any]) -> WeightScheme:
+    return WeightScheme(bits=info["bits"], symmetric=info["symmetric"], group_size=info["group_size"],
+                        type=info.get("type", "int"), per_tensor=info.get("per_tensor", False))
+
+
+def _stored_names(name: str, info: dict[str, Any]) -> list[str]:
+    """The tensors quantized Linear `name` is stored as."""
+    fields = ("weight", "weight_scale") if info.get("type", "int") == "float" else QUANT_FIELDS
+    return [f"{name}.{field}" for field in fields]
+
+
+def _decode(name: str, info: dict[str, Any], tensors: dict[str, torch.Tensor]) -> QuantizedWeight:
+    """Quantized Linear `name` from its stored tensors (taken out of `tensors`)."""
+    scheme = _scheme(info)
+    if scheme.type == "float":
+        return _fp8_weight(tensors.pop(f"{name}.weight"), tensors.pop(f"{name}.weight_scale"), scheme)
+    return QuantizedWeight(
+        codes=unpack(tensors.pop(f"{name}.weight_packed"), scheme.bits, info["shape"][1]),
+        scales=tensors.pop(f"{name}.weight_scale"),
+        zeros=tensors.pop(f"{name}.weight_zero_point"),
+        g_idx=tensors.pop(f"{name}.g_idx"),
+        scheme=scheme,
+    )
+
+
+def canonical_model(source: Path, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, CheckpointLayers]:
+    """The fake-quant model of a canonical form built like `models.lazy.lazy_model`: the parts
+    outside the decoder layers read now, each layer read (its codes dequantized) when loaded.
+    Holds the weights `load_fake_quant_model` holds; for evaluating a model larger than host
+    memory layer by layer."""
+    from transformers import AutoConfig
+
+    modules = load_quant_config(source)["modules"]
+    files = checkpoint_files(source)
+    wide = compute_dtype(dtype)
+
+    def read(names: list[str], device: torch.device | str) -> dict[str, torch.Tensor]:
+        coded = {n: n.removesuffix(".weight") for n in names if n.endswith(".weight") and n[:-7] in modules}
+        out = read_tensors(files, [n for n in names if n not in coded], dtype, device)
+        for name, linear in coded.items():
+            stored = read_tensors(files, _stored_names(linear, modules[linear]), None, device)
+            out[name] = _decode(linear, modules[linear], stored).dequantize(wide).to(dtype)
+        return out
+
+    model = skeleton(AutoConfig.from_pretrained(source), dtype)
+    return model, load_outside_layers(model, read)
 
 
 def _fp8_weight(codes: torch.Tensor, scale: torch.Tensor, scheme: WeightScheme) -> QuantizedWeight:
