@@ -35,9 +35,11 @@ offloaded, one batch's embedding output) and, for a stage with `lm_head: true`, 
 (V·H·b, its codes, the algorithm's working set on [V, H], the last layer's outputs).
 
 Evaluation (perplexity, with the divergence two models: float and fake-quant) on the device:
-streamed layer by layer when `lazy` (each model's non-layer weights and one layer), whole models
-otherwise; one window's forward, and its logits S·V in b plus LOGIT_FP32_COPIES fp32 copies per
-model (KL_FP32_COPIES more for the divergence). Not measured yet, unlike the quantize stage.
+the fake-quant model read layer by layer from its canonical shards, the float one too when
+`lazy` (each streamed model's non-layer weights, one layer and every window's last hidden
+states), whole otherwise; one window's forward, and its logits S·V in b plus
+LOGIT_FP32_COPIES fp32 copies per model (KL_FP32_COPIES more for the divergence). Not measured
+yet, unlike the quantize stage.
 
 Host: HOST_RUNTIME (Python, torch, transformers), the non-layer weights (embeddings, lm_head)
 and one layer when read lazily (the whole model otherwise), a finished layer's codes while its
@@ -100,6 +102,7 @@ RTN_WEIGHT_COPIES = 4  # [out, in] fp32 in quantize(): scales per column, w / s,
 LOGIT_FP32_COPIES = 2  # [S, V] per model: logits.float(), log_softmax
 KL_FP32_COPIES = 2  # [S, V] for the divergence: p and p·(log p − log q)
 # host
+EVAL_TOKENS = 300_000  # tokens of an evaluation stream at most (WikiText-2 test: ~290k with Qwen2's tokenizer)
 HOST_RUNTIME = 3 * GiB // 2  # resident before any tensor: Python, torch with CUDA libraries, transformers
 HOST_CODE_COPIES = 2  # a finished layer's codes and their encoded shard
 FOLDED_BYTES = 2  # fp16 float weights kept for a K-quant export (`folded`)
@@ -451,11 +454,17 @@ def _evaluate_phases(m: _Shapes, recipe: Recipe, lazy: bool) -> list[Phase]:
         return []
     kld = ppl.baseline and ppl.kl_divergence
     models = 2 if kld else 1
+    # the fake-quant model is always read layer by layer (its canonical shards); the float one
+    # when its checkpoint is lazy, else whole
+    whole = 0 if lazy else int(kld)
     weights = {"non-layer weights": models * m.non_layer_params * m.b, "layer weights": models * m.layer_params * m.b}
-    if not lazy:
-        weights["other layers"] = models * (m.layers - 1) * m.layer_params * m.b
+    if whole:
+        weights["other layers"] = whole * (m.layers - 1) * m.layer_params * m.b
+    tokens = ppl.max_windows * ppl.seq_len if ppl.max_windows else EVAL_TOKENS
+    windows = min(tokens, EVAL_TOKENS) * m.hidden * m.b  # each streamed model's last hidden states
+    streamed = {"window hidden states": (models - whole) * windows}
     logits = ppl.seq_len * m.vocab * (models * (m.b + LOGIT_FP32_COPIES * FP32) + kld * KL_FP32_COPIES * FP32)
-    gpu = {**weights, "logits": logits, **_forward(m, 1, ppl.seq_len)}
+    gpu = {**weights, **streamed, "logits": logits, **_forward(m, 1, ppl.seq_len)}
     return [Phase("evaluate", gpu, {"runtime": HOST_RUNTIME, **weights})]
 
 
