@@ -143,8 +143,10 @@ def export_cmd(run_dir: Annotated[Path, typer.Argument(help="run directory (or i
                format_: Annotated[list[str], typer.Option("--format", "-f", help="export format; repeatable")],
                out: Annotated[Optional[Path], typer.Option(help="output root; default RUN_DIR/export")] = None,
                max_shard_size: Annotated[Optional[str], typer.Option(help="safetensors shard limit, e.g. 2GB")] = None,
+               force: Annotated[bool, typer.Option("--force", help="replace an existing non-empty OUT/<format>/")] = False,
                ) -> None:
-    """Export a finished run's quantized model: each format to OUT/<format>/, validated."""
+    """Export a finished run's quantized model: each format to OUT/<format>/, validated. An
+    existing non-empty target is replaced only with --force (the export replaces it whole)."""
     from quantlab.export.api import export
     from quantlab.formats import FORMATS
 
@@ -159,6 +161,13 @@ def export_cmd(run_dir: Annotated[Path, typer.Argument(help="run directory (or i
     from quantlab.memory_plan import parse_size
 
     shard = parse_size(max_shard_size, "--max-shard-size") if max_shard_size else None
+    for fmt in dict.fromkeys(format_):
+        target = root / fmt
+        if target.is_symlink() or (target.exists() and not target.is_dir()):
+            raise UserError(f"--out: {target} exists and is not a directory of its own; give another --out")
+        if target.is_dir() and any(target.iterdir()) and not force:
+            raise UserError(f"--out: {target} already holds files, which the export would replace; "
+                            "give another --out, or --force to replace them")
     _quiet_libraries()
     for fmt in dict.fromkeys(format_):
         report = export(canonical, root / fmt, fmt, max_shard_bytes=shard)

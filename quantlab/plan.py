@@ -19,7 +19,7 @@ from quantlab.data.sources import check_source
 from quantlab.formats import keeps_folded_weights
 from quantlab.models.sources import check_model_id
 from quantlab.recipe import Recipe, verify_dataset
-from quantlab.rundir import code_fingerprint, content_key
+from quantlab.rundir import check_run_dir, code_fingerprint, content_key
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class Stage:
 
 def preflight(recipe: Recipe) -> None:
     """Checks that need the filesystem but no downloads; done before a run directory exists."""
+    check_run_dir(recipe.run_dir)
     check_model_id(recipe.model)
     if recipe.calibration:
         check_source(recipe.calibration.dataset, "calibration.dataset")

@@ -98,6 +98,37 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
+def check_run_dir(path: Path) -> None:
+    """Refuse a run directory whose use could destroy or mix with data the run did not create:
+    a stage replaces its outputs wholesale (`quantized/`, `export/<format>/`), so the directory
+    must be the run's own. Refused: a symbolic link (a run never writes through one into
+    another directory), the filesystem root, the home directory, the current directory or one
+    above it, anything that is not a directory, and an existing non-empty directory that is not
+    a quantlab run (no manifest.json). Checked before anything is written (`plan.preflight`)
+    and again when the run opens it."""
+    text = str(path)
+    if "\x00" in text:
+        raise UserError("output.dir: contains a NUL character; give a plain path")
+    if path.is_symlink():
+        raise UserError(f"output.dir: {text!r} is a symbolic link; a run writes only into a directory of its "
+                        "own, never through a link; give the real path or a new directory")
+    absolute = path.expanduser().resolve()
+    cwd, home = Path.cwd().resolve(), Path.home().resolve()
+    if absolute == Path(absolute.anchor) or absolute == home or cwd.is_relative_to(absolute):
+        what = ("the filesystem root" if absolute == Path(absolute.anchor) else "your home directory"
+                if absolute == home else "the current directory or one above it")
+        raise UserError(f"output.dir: {text!r} is {what}; stages replace whole subdirectories of the run "
+                        "directory, so give a directory of its own, e.g. runs/<name>")
+    if path.exists() and not path.is_dir():
+        raise UserError(f"output.dir: {text!r} exists and is not a directory")
+    existing = next(p for p in (absolute, *absolute.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"output.dir: {text!r} cannot be created: {str(existing)!r} is not a writable directory")
+    if path.is_dir() and not (path / MANIFEST).is_file() and any(path.iterdir()):
+        raise UserError(f"output.dir: {text!r} already holds files and is not a quantlab run directory "
+                        f"(no {MANIFEST}); give a new or empty directory")
+
+
 class RunDir:
     def __init__(self, path: Path):
         self.path = path
@@ -108,10 +139,13 @@ class RunDir:
 
     @classmethod
     def open(cls, path: Path) -> "RunDir":
-        if path.exists() and not path.is_dir():
-            raise UserError(f"output.dir: {str(path)!r} exists and is not a directory")
+        check_run_dir(path)
         existed = path.exists()
-        path.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"output.dir: cannot create {str(path)!r} ({exc.strerror or type(exc).__name__}); "
+                            "give a writable directory") from None
         rd = cls(path)
         rd.created_now = not existed
         rd.manifest.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%S"))

@@ -11,6 +11,7 @@ import yaml
 from typer.testing import CliRunner
 
 from quantlab import stages
+from quantlab.errors import UserError
 from quantlab.pipeline import run_recipe
 from quantlab.plan import build_plan
 from quantlab.recipe import Recipe, validate_recipe
@@ -125,13 +126,20 @@ def test_failure_before_any_stage_finishes_leaves_no_run_dir(recipe: Recipe, mon
     assert not recipe.run_dir.exists()
 
 
-def test_failure_in_an_existing_output_dir_keeps_it(recipe: Recipe, monkeypatch) -> None:
+def test_an_existing_directory_that_is_not_a_run_is_refused_and_kept(recipe: Recipe) -> None:
     recipe.run_dir.mkdir()
     (recipe.run_dir / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="not a quantlab run directory"):
+        run_recipe(recipe)
+    assert sorted(p.name for p in recipe.run_dir.iterdir()) == ["notes.txt"]
+
+
+def test_an_interrupted_run_in_an_empty_existing_directory_keeps_it(recipe: Recipe, monkeypatch) -> None:
+    recipe.run_dir.mkdir()
     monkeypatch.setattr(stages, "calibrate", interrupt)
     with pytest.raises(KeyboardInterrupt):
         run_recipe(recipe)
-    assert (recipe.run_dir / "notes.txt").read_text() == "mine"
+    assert recipe.run_dir.is_dir()
 
 
 def test_cli_interrupt_exits_130_and_keeps_finished_stages(tiny_model_dir, data_files, tmp_path, monkeypatch) -> None:

@@ -1,0 +1,47 @@
+"""A run writes only into a directory of its own and an export never replaces files it was not
+told to: symbolic links, the filesystem root, home, the current directory and its parents,
+unrelated non-empty directories and unwritable places are refused in one line before anything
+is written; `quantlab export --out` keeps an existing non-empty target unless --force."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from quantlab.cli import app
+from quantlab.errors import UserError
+from quantlab.rundir import check_run_dir
+
+
+@pytest.mark.parametrize("given, why", [
+    ("/", "filesystem root"), ("~", "home directory"), (".", "current directory"), ("..", "current directory"),
+    ("/dev/null/run", "not a writable directory"), ("run\x00x", "NUL"),
+])
+def test_places_a_run_must_not_write_to(given: str, why: str) -> None:
+    with pytest.raises(UserError, match=why):
+        check_run_dir(Path(given).expanduser() if given == "~" else Path(given))
+
+
+def test_a_symlinked_run_dir_is_refused_and_its_target_untouched(tmp_path: Path) -> None:
+    target = tmp_path / "precious"
+    (target / "quantized").mkdir(parents=True)
+    (target / "quantized" / "keep.txt").write_text("mine")
+    (tmp_path / "run").symlink_to(target)
+    with pytest.raises(UserError, match="symbolic link"):
+        check_run_dir(tmp_path / "run")
+    check_run_dir(tmp_path / "new" / "run")  # a new directory is fine
+    assert (target / "quantized" / "keep.txt").read_text() == "mine"
+
+
+def test_export_keeps_a_non_empty_target_without_force(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    (run / "quantized").mkdir(parents=True)
+    (run / "quantized" / "quant_config.json").write_text("{}")
+    (tmp_path / "out" / "gptq").mkdir(parents=True)
+    (tmp_path / "out" / "gptq" / "precious.txt").write_text("mine")
+    result = CliRunner().invoke(app, ["export", str(run), "--format", "gptq", "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "--force" in result.stderr and "Traceback" not in result.output
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert (tmp_path / "out" / "gptq" / "precious.txt").read_text() == "mine"
