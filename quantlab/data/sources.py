@@ -12,7 +12,9 @@ With `format: chat`, records are conversations (`messages` lists, or alpaca-styl
 
 from __future__ import annotations
 
+import codecs
 import importlib.resources
+import json
 from functools import cache
 from pathlib import Path
 from typing import Any, Iterable
@@ -40,6 +42,9 @@ def check_source(spec: DatasetSpec | SummaryDataSpec, field: str) -> None:
     if spec.source in shortcuts() or spec.source.startswith("modelscope:") or not is_local(spec.source):
         return
     path = Path(spec.source).expanduser()
+    if path.is_dir():
+        raise UserError(f"{field}.source: {spec.source!r} is a directory; give a "
+                        f"{'/'.join(sorted(LOCAL_SUFFIXES))} file")
     if not path.is_file():
         raise UserError(f"{field}.source: file {spec.source!r} not found; give an existing "
                         f"{'/'.join(sorted(LOCAL_SUFFIXES))} file, a hub dataset id, or one of: "
@@ -47,12 +52,48 @@ def check_source(spec: DatasetSpec | SummaryDataSpec, field: str) -> None:
     if path.suffix not in LOCAL_SUFFIXES:
         raise UserError(f"{field}.source: {spec.source!r} has suffix {path.suffix!r}; "
                         f"local files must be one of {', '.join(sorted(LOCAL_SUFFIXES))}")
+    check_head(path, f"{field}.source")
+
+
+HEAD_BYTES = 1 << 16  # what preflight reads of a local data file
+
+
+def check_head(path: Path, field: str) -> None:
+    """Read the start of a local data file and refuse what cannot be its format, before a run
+    directory exists: empty, not UTF-8 or binary text, a JSON Lines file whose first record is
+    not a JSON object, a Parquet file without its magic number."""
+    with path.open("rb") as handle:
+        head = handle.read(HEAD_BYTES)
+    if not head.strip():
+        raise UserError(f"{field}: {str(path)!r} is empty")
+    if path.suffix == ".parquet":
+        if not head.startswith(b"PAR1"):
+            raise UserError(f"{field}: {str(path)!r} is not a Parquet file (no PAR1 magic)")
+        return
+    try:
+        text = codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < HEAD_BYTES)
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{field}: {str(path)!r} is not UTF-8 text (byte {exc.start}); give UTF-8 text") from None
+    if "\x00" in text:
+        raise UserError(f"{field}: {str(path)!r} holds binary data (NUL bytes), not text")
+    if path.suffix == ".jsonl":
+        first = next((line for line in text.splitlines() if line.strip()), "")
+        try:
+            record = json.loads(first)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict):
+            raise UserError(f"{field}: {str(path)!r} line 1 is not a JSON object; JSON Lines hold one object per line")
 
 
 def load_documents(spec: DatasetSpec, field: str, tokenizer: Any = None) -> list[str]:
     """The documents of a source, in order, limited to `max_documents`."""
     if spec.source.endswith((".txt", ".raw")) and spec.format == "text":
-        docs = Path(spec.source).expanduser().read_text(encoding="utf-8").splitlines(keepends=True)
+        try:
+            docs = Path(spec.source).expanduser().read_text(encoding="utf-8").splitlines(keepends=True)
+        except UnicodeDecodeError as exc:
+            raise UserError(f"{field}.source: {spec.source!r} is not UTF-8 text (byte {exc.start}); "
+                            "give UTF-8 text") from None
     else:
         records = _records(spec, field)
         docs = list(_render(records, spec, field, tokenizer))
@@ -103,9 +144,7 @@ def _records(spec: DatasetSpec, field: str) -> Iterable[dict[str, Any]]:
         if spec.source.startswith("modelscope:"):
             return _modelscope_records(spec, field)
         if is_local(spec.source):
-            path = Path(spec.source).expanduser()
-            builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(path.suffix, "text")
-            return datasets.load_dataset(builder, data_files=str(path), split="train")
+            return _local_records(Path(spec.source).expanduser(), field)
         short = shortcuts().get(spec.source)
         if short:
             return datasets.load_dataset(
@@ -119,6 +158,20 @@ def _records(spec: DatasetSpec, field: str) -> Iterable[dict[str, Any]]:
             f"{str(exc).splitlines()[0][:160] if str(exc) else ''}); offline? download it elsewhere and "
             f"point {field}.source at a local .txt/.jsonl/.json/.parquet file"
         ) from None
+
+
+def _local_records(path: Path, field: str) -> Iterable[dict[str, Any]]:
+    """A local file's records; any failure of the reader (a malformed line, an empty file, a
+    damaged Parquet footer) is a problem of that file: one line naming it."""
+    import datasets
+
+    builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(path.suffix, "text")
+    try:
+        return datasets.load_dataset(builder, data_files=str(path), split="train")
+    except Exception as exc:  # datasets wraps parser errors in many types (DatasetGenerationError, …)
+        cause = exc.__cause__ or exc
+        reason = str(cause).splitlines()[0][:160] if str(cause) else type(cause).__name__
+        raise UserError(f"{field}.source: {str(path)!r} could not be read as {builder} ({reason})") from None
 
 
 def _modelscope_records(spec: DatasetSpec, field: str) -> Iterable[dict[str, Any]]:
@@ -140,7 +193,13 @@ def _render(records: Iterable[dict[str, Any]], spec: DatasetSpec, field: str, to
         if text_field not in record:
             raise UserError(f"{field}.text_field: record {i} of {spec.source!r} has no field "
                             f"{text_field!r}; fields: {', '.join(record)}")
-        yield str(record[text_field])
+        value = record[text_field]
+        if value is None:
+            continue  # a record without text contributes nothing (not the string "None")
+        if not isinstance(value, str):
+            raise UserError(f"{field}.text_field: record {i} of {spec.source!r} has a {type(value).__name__} "
+                            f"in {text_field!r}, not text")
+        yield value
 
 
 def chat_messages(record: dict[str, Any]) -> list[dict[str, str]] | None:
