@@ -58,6 +58,9 @@ def declared_architecture(recipe: Recipe, model_dir: Path | None = None) -> str 
     if gguf_path.is_file() and gguf_path.suffix == ".gguf":
         from gguf import GGUFReader
 
+        from quantlab.file_checks import check_gguf
+
+        check_gguf(gguf_path)
         field = GGUFReader(gguf_path).get_field("general.architecture")
         arch = field.contents() if field is not None else None
         return GGUF_MODEL_TYPES.get(arch, arch)

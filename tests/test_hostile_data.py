@@ -5,12 +5,16 @@ shows, when the documents are loaded; records without text never become the stri
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from quantlab.cli import app
 from quantlab.data.sources import check_source, load_documents
 from quantlab.errors import UserError
+from quantlab.file_checks import check_gguf, check_safetensors
 from quantlab.recipe import DatasetSpec
 
 
@@ -42,3 +46,34 @@ def test_a_malformed_later_line_and_null_text(tmp_path: Path) -> None:
     nulls = tmp_path / "nulls.jsonl"
     nulls.write_text("\n".join(json.dumps({"text": t}) for t in ["a doc", None, "another"]) + "\n")
     assert load_documents(DatasetSpec(source=str(nulls)), "calibration.dataset") == ["a doc", "another"]
+
+
+def _gguf(*fields: bytes) -> bytes:
+    return b"GGUF" + b"".join(fields)
+
+
+CRAFTED = {
+    "random.gguf": bytes(range(256)) * 16,
+    "truncated.gguf": _gguf(struct.pack("<IQQ", 3, 1, 1)),
+    "array.gguf": _gguf(struct.pack("<IQQ", 3, 0, 1), struct.pack("<Q", 3), b"key", struct.pack("<IIQ", 9, 0, 2**61)),
+    "string.gguf": _gguf(struct.pack("<IQQ", 3, 0, 1), struct.pack("<Q", 2**60)),
+    "tensors.gguf": _gguf(struct.pack("<IQQ", 3, 2**62, 0)),
+    "header.safetensors": struct.pack("<Q", 2**62) + b"{}",
+    "offsets.safetensors": struct.pack("<Q", 61) + b'{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,1000000]}}',
+}
+
+
+@pytest.mark.parametrize("name", sorted(CRAFTED))
+def test_crafted_binary_headers_end_in_one_line(tmp_path: Path, name: str) -> None:
+    """Declared sizes are checked against the file before any reader allocates (file_checks)."""
+    (tmp_path / name).write_bytes(CRAFTED[name])
+    check = check_gguf if name.endswith(".gguf") else check_safetensors
+    with pytest.raises(UserError, match="damaged or not what its name says"):
+        check(tmp_path / name)
+
+
+def test_inspect_of_a_crafted_gguf_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "model.gguf").write_bytes(CRAFTED["array.gguf"])
+    result = CliRunner().invoke(app, ["inspect", str(tmp_path / "model.gguf")])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert len(result.stderr.strip().splitlines()) == 1 and "model.gguf" in result.stderr

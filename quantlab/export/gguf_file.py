@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from quantlab.errors import UserError
+from quantlab.file_checks import check_gguf
 from quantlab.export.checks import Report
 from quantlab.export.source import (Canonical, head_dim, linear_shapes, read_sidecar, router_width, sidecar_source,
                                    write_sidecar)
@@ -511,6 +512,7 @@ def gguf_path(path: Path) -> Path:
     files = sorted(path.glob("*.gguf")) if path.is_dir() else [path]
     if len(files) != 1:
         raise UserError(f"{path}: expected exactly one .gguf file, found {len(files)}")
+    check_gguf(files[0])  # before gguf's reader trusts its declared sizes
     return files[0]
 
 

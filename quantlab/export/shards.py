@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from quantlab.file_checks import check_safetensors
 from quantlab.models.lazy import INDEX, read_checkpoint
 
 DEFAULT_MAX_SHARD = 5 * 1024**3
@@ -62,6 +63,7 @@ def check_index(report, path: Path) -> None:
         if report.check("shard exists", fname, (path / fname).is_file(), "listed in the index but missing"):
             from safetensors import safe_open
 
+            check_safetensors(path / fname)
             with safe_open(path / fname, "pt") as fh:
                 keys = set(fh.keys())
             listed = {k for k, v in wmap.items() if v == fname}

@@ -29,6 +29,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
+from quantlab.errors import UserError
+from quantlab.file_checks import check_safetensors
 from quantlab.models.arch import ArchSpec, arch_spec_for
 from quantlab.models.moe import unfuse_experts
 
@@ -38,11 +40,21 @@ INDEX = "model.safetensors.index.json"
 def checkpoint_files(location: Path) -> dict[str, Path] | None:
     """Tensor name → safetensors file of a checkpoint directory (None: no safetensors)."""
     if (location / INDEX).is_file():
-        weight_map = json.loads((location / INDEX).read_text())["weight_map"]
-        return {name: location / fname for name, fname in weight_map.items()}
+        index = location / INDEX
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = {str(name): location / str(fname) for name, fname in weight_map.items()}
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+            raise UserError(f"{index}: not a safetensors index (JSON with a weight_map)") from None
+        for path in dict.fromkeys(files.values()):
+            if not path.resolve().is_relative_to(location.resolve()) or not path.is_file():
+                raise UserError(f"{index}: lists {path.name!r}, which is not a file in {location}")
+            check_safetensors(path)
+        return files
     single = location / "model.safetensors"
     if not single.is_file():
         return None
+    check_safetensors(single)
     with safe_open(single, "pt") as handle:
         return {name: single for name in handle.keys()}
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from quantlab.errors import UserError
+from quantlab.file_checks import check_gguf
 from quantlab.models.builtin import BUILTIN_MODELS, float_checkpoint
 from quantlab.models.moe import unfuse_experts
 from quantlab.recipe import ModelSpec
@@ -54,6 +55,11 @@ def check_model_id(spec: ModelSpec) -> None:
         if path.is_dir() and not (path / "config.json").is_file() and not spec.gguf_file:
             raise UserError(f"model.id: directory {spec.id!r} has no config.json (a Hugging Face "
                             f"checkpoint) and model.gguf_file is not set")
+        gguf = path / spec.gguf_file if path.is_dir() and spec.gguf_file else path
+        if gguf.suffix == ".gguf":
+            if not gguf.is_file():
+                raise UserError(f"model.gguf_file: {str(gguf)!r} is not a file")
+            check_gguf(gguf)
 
 
 def resolve(spec: ModelSpec) -> ResolvedModel:
