@@ -1,6 +1,7 @@
 """The recipe: one YAML file that names the model, data, stages, evaluation and outputs.
 
-Parsed with `yaml.safe_load` into strict pydantic models (unknown keys are errors). Every
+Parsed with a bounded `yaml.SafeLoader` (`parse_yaml`: no duplicate keys, bounded size, depth
+and alias expansion) into strict pydantic models (unknown keys are errors). Every
 error becomes one line naming the YAML path (`stages[0].rtn.weights.group_size`), the bad
 value and what is allowed. CLI overrides (`--set calibration.num_samples=64`) are applied to
 the raw mapping first, so they go through exactly the same validation.
@@ -8,6 +9,8 @@ the raw mapping first, so they go through exactly the same validation.
 
 from __future__ import annotations
 
+import re
+import reprlib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,6 +32,24 @@ from quantlab.quant.scheme import PRESETS, ActivationScheme, KVCacheScheme, Weig
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    @field_validator("*")
+    @classmethod
+    def _clean_strings(cls, value: Any) -> Any:
+        """No NUL byte or lone surrogate in any text (they end up in paths, hub ids, file names
+        and logs, where they fail far from the recipe or cannot be printed)."""
+        for text in value if isinstance(value, list) else (value,):
+            if isinstance(text, str) and ("\x00" in text or _has_surrogate(text)):
+                raise ValueError("text must not contain a NUL byte or a lone surrogate (\\x00, \\udXXX)")
+        return value
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
 
 class ModelSpec(Strict):
     """Where the float model comes from; see `quantlab.models.sources` for the forms of `id`."""
@@ -48,7 +69,7 @@ class DatasetSpec(Strict):
     split: str = "train"
     text_field: str = "text"
     format: Literal["text", "chat"] = "text"
-    max_documents: int | None = Field(default=None, gt=0)
+    max_documents: int | None = Field(default=None, gt=0, le=10**9)
 
 
 class CalibrationSpec(Strict):
@@ -66,11 +87,31 @@ class CalibrationSpec(Strict):
         "batch at a time (less GPU memory, some copy time); placement only: results are identical"))
 
 
+# torch.manual_seed (the run's seed, `quantlab.pipeline`) takes 0 <= seed < 2**64; numpy's
+# default_rng and random.Random (ROUGE subsets, bootstrap) take any non-negative integer.
+MAX_SEED = 2**64 - 1
+SEED_HELP = "0 <= seed <= 2**64 - 1 (torch.manual_seed's range)"
+# Larger than any Linear's input dimension; the model-dependent `group_size <= in_features`
+# is checked where the model is known.
+MAX_GROUP_SIZE = 2**16
+
+
 def _scheme_from_preset(value: Any) -> Any:
     if isinstance(value, str):
         if value not in PRESETS:
-            raise ValueError(f"unknown preset {value!r}; presets: {', '.join(PRESETS)}")
+            raise ValueError(f"unknown preset {_short(value)}; presets: {', '.join(PRESETS)}")
         return PRESETS[value]
+    if isinstance(value, dict) and isinstance(value.get("bits"), float):
+        # Literal[2, 3, 4, 8] matches 4.0 == 4 even in strict mode
+        raise ValueError(f"bits: got {_short(value['bits'])}, an integer is needed: 2, 3, 4 or 8")
+    return value
+
+
+def _bounded_scheme(value: Any) -> Any:
+    group = getattr(value, "group_size", None)
+    if group is not None and group > MAX_GROUP_SIZE:
+        raise ValueError(f"group_size: got {_short(group)}; must be null (per-channel) or a power of two "
+                         f"from 8 to {MAX_GROUP_SIZE} (2**16)")
     return value
 
 
@@ -84,6 +125,11 @@ class WeightStage(Strict):
     @classmethod
     def _preset(cls, value: Any) -> Any:
         return _scheme_from_preset(value)
+
+    @field_validator("weights")
+    @classmethod
+    def _bounded(cls, value: Any) -> Any:
+        return _bounded_scheme(value)
 
 
 class HeadOption(Strict):
@@ -122,14 +168,16 @@ class AwqStage(WeightStage):
     max_shrink: float = Field(default=0.5, gt=0, lt=1)
     clip_skip: list[str] = Field(default_factory=lambda: ["self_attn.q_proj", "self_attn.k_proj"],
                                  description="fnmatch patterns of layer-relative Linear names left unclipped")
-    max_tokens: int = Field(default=8192, gt=0, description="calibration tokens observed per layer")
+    max_tokens: int = Field(default=8192, gt=0, le=10**8,
+                            description="calibration tokens observed per layer")
     # Measured at W4 g128 asym (block vs linear): Gemma-3-270m 26.25 vs 26.66 (float 21.96, 4 × 512
     # windows), SmolLM2 41.16 vs 41.16 (float 33.56, 10 windows); ~4× the search time on CPU.
     objective: Literal["linear", "block"] = Field(default="linear", description=(
         "what the scales of a norm-fed group (q/k/v, gate/up) minimize: linear = the error of the group's "
         "Linear outputs (from the input Gram, fast); block = the decoder layer's output error with those "
         "Linears fake-quantized (AutoAWQ's attention / MLP output objective; sees q·k, norms, biases)"))
-    block_tokens: int = Field(default=2048, gt=0, description="tokens per layer the block objective forwards")
+    block_tokens: int = Field(default=2048, gt=0, le=10**8,
+                              description="tokens per layer the block objective forwards")
 
 
 class SmoothQuantStage(Strict):
@@ -144,7 +192,8 @@ class SmoothQuantStage(Strict):
         default=None, description="weight scheme the search fake-quantizes with; null = the next weight stage's")
     activations: ActivationScheme | None = Field(
         default=None, description="activation scheme the search fake-quantizes with; null = the act_ranges stage's")
-    max_tokens: int = Field(default=1024, gt=0, description="calibration tokens per layer used by the search")
+    max_tokens: int = Field(default=1024, gt=0, le=10**8,
+                            description="calibration tokens per layer used by the search")
     skip: list[str] = Field(default_factory=list,
                             description="fnmatch patterns of producers (layer-relative: mlp.up_proj) not to smooth")
 
@@ -152,6 +201,11 @@ class SmoothQuantStage(Strict):
     @classmethod
     def _preset(cls, value: Any) -> Any:
         return _scheme_from_preset(value)
+
+    @field_validator("weights")
+    @classmethod
+    def _bounded(cls, value: Any) -> Any:
+        return _bounded_scheme(value)
 
 
 class ActRangesStage(Strict):
@@ -205,7 +259,7 @@ class StageEntry(Strict):
 class PerplexitySpec(Strict):
     dataset: DatasetSpec
     seq_len: int = Field(default=2048, ge=16, le=131_072)
-    max_windows: int | None = Field(default=None, gt=0)
+    max_windows: int | None = Field(default=None, gt=0, le=10**7)
     baseline: bool = True
     kl_divergence: bool = Field(default=True, description=(
         "with the baseline, also KL(float ‖ quantized) per token and top-1 agreement on the same windows"))
@@ -230,8 +284,8 @@ class RougeSpec(Strict):
 
     dataset: SummaryDataSpec
     num_samples: int = Field(default=100, gt=0, le=100_000)
-    seed: int | None = Field(default=None, ge=0, description="null = the first num_samples records; "
-                             "a number = a random subset drawn with it")
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED, description="null = the first num_samples "
+                             "records; a number = a random subset drawn with it")
     max_input_tokens: int = Field(default=512, ge=16, le=131_072, description="the document is cut to this "
                                   "many tokens; the instruction around it is kept whole")
     max_new_tokens: int = Field(default=100, ge=1, le=4096, description="as TensorRT-LLM's summarize example")
@@ -283,7 +337,7 @@ class OutputSpec(Strict):
 
 class Recipe(Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=128)
-    seed: int = Field(ge=0)
+    seed: int = Field(ge=0, le=MAX_SEED, description=SEED_HELP)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     model: ModelSpec
     calibration: CalibrationSpec | None = None
@@ -367,6 +421,102 @@ def check_activation_stages(recipe: Recipe) -> None:
             entry.smoothquant.weights = after or PRESETS["W8A16"]
 
 
+# --------------------------------------------------------------------------- bounded YAML
+
+# Limits of the one YAML reader used for recipe files and `--set` values. A recipe is a few
+# KB (the shipped ones are under 2 KB) and a handful of levels deep; these bounds leave two
+# orders of magnitude of room while keeping hostile input (deep nesting, alias bombs, huge
+# files) to milliseconds and one line instead of a RecursionError, a hang or a memory blow-up.
+MAX_YAML_BYTES = 1 << 20  # 1 MiB, checked before parsing (a long string or comment reads in 0.2 s)
+MAX_YAML_NODES = 20_000  # scalars and collections; pure-Python PyYAML reads ~50k nodes/s, so a
+# 1 MiB flow list of 500k numbers would take 10 s: stop it after 20k (a recipe has ~100)
+MAX_YAML_DEPTH = 64  # nested collections; PyYAML's composer recurses ~3 frames per level
+MAX_ALIAS_NODES = 10_000  # nodes reachable through aliases, counted as if expanded
+
+
+class YamlLimitError(yaml.YAMLError):
+    """Input refused by `BoundedLoader`: `line` (1-based, or None) and a one-line `text`."""
+
+    def __init__(self, text: str, mark: Any = None):
+        super().__init__(text)
+        self.text = text
+        self.line = mark.line + 1 if mark is not None else None
+
+
+class BoundedLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` (standard tags only) that refuses duplicate mapping keys and bounds
+    nesting depth and alias expansion while composing, before anything recurses or expands."""
+
+    def __init__(self, stream: str):
+        super().__init__(stream)
+        self._depth = 0
+        self._nodes = 0
+        self._alias_nodes = 0
+        self._sizes: dict[int, int] = {}  # id(node) -> node count with aliases expanded
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            node = super().compose_node(parent, index)
+            self._alias_nodes += self._sizes.get(id(node), 1)
+            if self._alias_nodes > MAX_ALIAS_NODES:
+                raise YamlLimitError(f"aliases expand to more than {MAX_ALIAS_NODES} nodes "
+                                     "(an alias bomb?); write the values out", event.start_mark)
+            return node
+        self._depth += 1
+        self._nodes += 1
+        if self._depth > MAX_YAML_DEPTH:
+            raise YamlLimitError(f"nested more than {MAX_YAML_DEPTH} levels deep", event.start_mark)
+        if self._nodes > MAX_YAML_NODES:
+            raise YamlLimitError(f"more than {MAX_YAML_NODES} values; a recipe has about a hundred",
+                                 event.start_mark)
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+        if isinstance(node, yaml.SequenceNode):
+            self._sizes[id(node)] = 1 + sum(self._sizes.get(id(c), 1) for c in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            self._sizes[id(node)] = 1 + sum(self._sizes.get(id(k), 1) + self._sizes.get(id(v), 1)
+                                            for k, v in node.value)
+        return node
+
+    def construct_object(self, node: Any, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep=deep)
+        except (ValueError, OverflowError) as exc:  # a 5000-digit int, 2001-02-30, ...
+            why = "integer with too many digits" if "digits" in str(exc) else _clean(str(exc))[:80]
+            raise YamlLimitError(f"cannot read value ({why})", node.start_mark) from None
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        if isinstance(node, yaml.MappingNode):
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<: *base` keys may be overridden, as YAML says
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    duplicate = key in seen
+                    seen.add(key)
+                except TypeError:
+                    continue  # unhashable: the base constructor says so with its own mark
+                if duplicate:
+                    raise YamlLimitError(f"duplicate key {_short(key)}", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+def parse_yaml(text: str) -> Any:
+    """Parse one YAML document with `BoundedLoader`; raises `yaml.YAMLError` (`YamlLimitError`
+    for the bounds above), never RecursionError."""
+    if len(text) > MAX_YAML_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_YAML_BYTES:
+        raise YamlLimitError(f"larger than {MAX_YAML_BYTES // (1 << 20)} MiB; a recipe is a few KB")
+    loader = BoundedLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 # --------------------------------------------------------------------------- loading
 
 
@@ -383,11 +533,18 @@ def read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise UserError(f"{path}: recipe file not found")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        with path.open("rb") as f:
+            data = f.read(MAX_YAML_BYTES + 1)  # never more, whatever the file's size
+        if len(data) > MAX_YAML_BYTES:
+            raise YamlLimitError(f"larger than {MAX_YAML_BYTES // (1 << 20)} MiB; a recipe is a few KB")
+        raw = parse_yaml(data.decode("utf-8"))
+    except YamlLimitError as exc:
+        where = f"line {exc.line}: " if exc.line else ""
+        raise UserError(f"{path}: {where}{exc.text}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or "invalid YAML"
+        problem = _clean(getattr(exc, "problem", None) or "invalid YAML")
         raise UserError(f"{path}: not valid YAML{where}: {problem}") from None
     except UnicodeDecodeError:
         raise UserError(f"{path}: not a UTF-8 text file") from None
@@ -396,13 +553,23 @@ def read_yaml(path: Path) -> dict[str, Any]:
     return raw
 
 
+# Segments of a `--set` path: ASCII letters, digits, `_` and `-` (no empty segment; a list
+# index is ASCII digits only: `str.isdigit` also takes '²').
+OVERRIDE_KEY = re.compile(r"[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*", re.ASCII)
+
+
 def apply_override(raw: dict[str, Any], item: str) -> None:
     """Apply `a.b.0.c=value` (value parsed as YAML) to the raw recipe mapping."""
     key, sep, text = item.partition("=")
     if not sep or not key:
-        raise UserError(f"--set {item!r}: expected key.path=value, e.g. calibration.num_samples=64")
+        raise UserError(f"--set {_short(item)}: expected key.path=value, e.g. calibration.num_samples=64")
+    if not OVERRIDE_KEY.fullmatch(key):
+        raise UserError(f"--set {_short(key)}: a key path is ASCII names and list indexes joined by dots, "
+                        "e.g. stages.0.rtn.weights.group_size")
     try:
-        value = yaml.safe_load(text)
+        value = parse_yaml(text)
+    except YamlLimitError as exc:
+        raise UserError(f"--set {key}=...: {exc.text}") from None
     except yaml.YAMLError:
         value = text
     parts = key.split(".")
@@ -410,7 +577,7 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     for i, part in enumerate(parts):
         last = i == len(parts) - 1
         if isinstance(node, list):
-            if not part.isdigit() or int(part) >= len(node):
+            if not part.isdecimal() or len(part) > 9 or int(part) >= len(node):
                 raise UserError(f"--set {key}: {part!r} is not an index of a {len(node)}-item list")
             part = int(part)
         elif not isinstance(node, dict):
@@ -428,7 +595,8 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
 
 def validate_recipe(raw: dict[str, Any], origin: str = "recipe") -> Recipe:
     try:
-        return Recipe.model_validate(raw)
+        # strict: "64", 64.0 and true are not integers, "true" and 1 not booleans (floats take ints)
+        return Recipe.model_validate(raw, strict=True)
     except ValidationError as exc:
         raise UserError(f"{origin}: {describe_validation_error(exc)}") from None
 
@@ -440,7 +608,8 @@ def yaml_path(loc: tuple[Any, ...]) -> str:
         if isinstance(part, int):
             out += f"[{part}]"
         else:
-            out += ("." if out else "") + str(part)
+            text = _clean(str(part))
+            out += ("." if out else "") + (text if len(text) <= 64 else text[:61] + "...")
     return out or "(top level)"
 
 
@@ -457,7 +626,9 @@ def describe_validation_error(exc: ValidationError) -> str:
     elif not loc and first["type"] == "value_error":
         return msg  # a cross-field rule (Recipe validators) names its own paths
     else:
-        msg = f"got {_short(first.get('input'))}: {msg}"
+        msg = f"got {_short(first.get('input'))}: {_clean(msg)}"
+        if loc and loc[-1] == "seed" and first["type"] in ("less_than_equal", "greater_than_equal"):
+            msg = f"got {_short(first.get('input'))}: must be {SEED_HELP}"
     more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
     return f"{yaml_path(loc)}: {msg}{more}"
 
@@ -466,9 +637,25 @@ def _is_union_tag(part: Any) -> bool:
     return isinstance(part, str) and (part.startswith("function-") or part in {"str", "int"})
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 50, 50
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 4
+
+
 def _short(value: Any) -> str:
-    text = repr(value)
+    """A bounded, printable summary of a user's value: never the repr of a whole (possibly
+    alias-shared or huge) structure, nor `str()` of a 5000-digit int (Python refuses it)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"an integer of {len(str(value)) if value.bit_length() < 10_000 else 'thousands of'} digits"
+    text = _clean(_REPR.repr(value))
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _clean(text: str) -> str:
+    """Control characters and lone surrogates escaped: the message stays one printable line."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
