@@ -59,6 +59,9 @@ class ModelSpec(Strict):
     gguf_file: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     trust_remote_code: bool = False
+    allow_pickle: bool = Field(default=False, description=(
+        "read a checkpoint stored only as pickle (.bin / .pt, through torch.load(weights_only=True)); "
+        "off: safetensors (or GGUF) only, since unpickling can run code"))
 
 
 class DatasetSpec(Strict):

@@ -45,3 +45,14 @@ def test_export_keeps_a_non_empty_target_without_force(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "--force" in result.stderr and "Traceback" not in result.output
     assert len(result.stderr.strip().splitlines()) == 1
     assert (tmp_path / "out" / "gptq" / "precious.txt").read_text() == "mine"
+
+
+def test_a_pickle_only_checkpoint_needs_the_opt_in(tmp_path: Path) -> None:
+    from quantlab.models.sources import check_model_id
+    from quantlab.recipe import ModelSpec
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(UserError, match="pytorch_model.bin.*allow_pickle"):
+        check_model_id(ModelSpec(id=str(tmp_path)))
+    check_model_id(ModelSpec(id=str(tmp_path), allow_pickle=True))

@@ -55,6 +55,13 @@ def check_model_id(spec: ModelSpec) -> None:
         if path.is_dir() and not (path / "config.json").is_file() and not spec.gguf_file:
             raise UserError(f"model.id: directory {spec.id!r} has no config.json (a Hugging Face "
                             f"checkpoint) and model.gguf_file is not set")
+        if (path.is_dir() and (path / "config.json").is_file() and not spec.gguf_file and not spec.allow_pickle
+                and not any(path.glob("*.safetensors"))):
+            pickles = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))[:3]
+            raise UserError(f"model.id: {spec.id!r} holds no safetensors weights"
+                            f"{' (only ' + ', '.join(pickles) + ')' if pickles else ''}; unpickling can run code: "
+                            "convert it to safetensors, or set model.allow_pickle: true to read it with "
+                            "torch.load(weights_only=True)")
         gguf = path / spec.gguf_file if path.is_dir() and spec.gguf_file else path
         if gguf.suffix == ".gguf":
             if not gguf.is_file():
@@ -94,6 +101,8 @@ def load_model(spec: ModelSpec, resolved: ResolvedModel) -> torch.nn.Module:
     kwargs = dict(dtype=DTYPES[spec.dtype], trust_remote_code=spec.trust_remote_code)
     if resolved.gguf_file:
         kwargs["gguf_file"] = resolved.gguf_file
+    elif not spec.allow_pickle:
+        kwargs["use_safetensors"] = True  # a hub repository with only pickle files fails to load
     if resolved.revision and resolved.kind == "hub":
         kwargs["revision"] = resolved.revision
     try:
