@@ -56,14 +56,20 @@ def run_recipe(recipe: Recipe, run_dir: Path | None = None, fixed: dict[str, str
             memory = announce(recipe, device, Path(ctx.resolved.location))
         if memory is not None:
             run.manifest["memory_plan"] = memory.to_dict()
+        if run.damaged:
+            console.print(f"[yellow]{run.path}/manifest.json is damaged ({run.damaged}): every stage reruns, "
+                          "and it is rewritten as they finish[/yellow]")
         for stage in sorted(plan, key=lambda s: s.name not in COLLECTIVE) if world.active else plan:
             if stage.name not in COLLECTIVE:
                 distributed.close()  # the rest is rank 0's alone
-            elif world.active and stage.name == "quantize":  # the others start quantizing with us
-                distributed.broadcast_object(run.is_done(stage.name, stage.key))
-            if run.is_done(stage.name, stage.key):
+            done, damage = run.verify(stage.name, stage.key)  # in plan order: upstream damage reruns upstream first
+            if world.active and stage.name == "quantize":  # the others start quantizing with us
+                distributed.broadcast_object(done)
+            if done:
                 console.print(f"[dim]skip {stage.name}: done (key {stage.key})[/dim]")
                 continue
+            if damage:
+                console.print(f"[dim]rerun {stage.name}: {damage}[/dim]")
             run.forget(stage.name)
             if stage.shareable and (source := run.adopt_from_sibling(stage.name, stage.key)) is not None:
                 console.print(f"[dim]{stage.name}: reused from {source} (same key {stage.key})[/dim]")

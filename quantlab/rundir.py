@@ -1,7 +1,8 @@
 """The run directory: every artifact of one recipe, and the manifest that makes runs resumable.
 
-A stage is done when the manifest records its content key and all its outputs exist; a
-killed run therefore resumes at the first stage that is not done, and changing one stage's
+A stage is done when the manifest records its content key and every file it wrote is there,
+unchanged (size and sha256; a damaged artifact reruns its stage, a damaged manifest reruns
+every stage); a killed run therefore resumes at the first stage that is not done, and changing one stage's
 parameters reruns only the stages whose keys depend on it. Files and directories are written
 under a temporary name and renamed when complete, so a reader never sees half an artifact.
 """
@@ -133,9 +134,9 @@ class RunDir:
     def __init__(self, path: Path):
         self.path = path
         self.created_now = False
-        self.manifest: dict[str, Any] = {"stages": {}}
-        if (path / MANIFEST).is_file():
-            self.manifest = json.loads((path / MANIFEST).read_text())
+        # `damaged`: why manifest.json could not be used (then no stage counts as done, and the
+        # file is rewritten as stages finish); None when it was absent or sound.
+        self.manifest, self.damaged = load_manifest(path / MANIFEST)
 
     @classmethod
     def open(cls, path: Path) -> "RunDir":
@@ -160,17 +161,68 @@ class RunDir:
         return target
 
     def is_done(self, stage: str, key: str) -> bool:
+        return self.verify(stage, key)[0]
+
+    def verify(self, stage: str, key: str) -> tuple[bool, str | None]:
+        """Whether `stage` is done with `key`, and, when the manifest records it with that key
+        but its outputs are no longer what it wrote, why not: the first recorded file that is
+        missing or differs ("quantized/model-00003-of-00031.safetensors changed since it was
+        written (sha256 differs)").
+
+        Every file recorded under the outputs (a directory output: each file in it) must exist
+        with its recorded size and sha256: sizes first (cheap), then full hashes, i.e. every
+        artifact is read once per resume (~0.2 s for SmolLM2's quantized form, about a minute
+        for a 72B one). Files added to an output directory since are not looked at. An entry
+        written before digests were recorded (no "files") is checked as that code checked it:
+        its outputs exist, and file outputs match their recorded "sha256".
+
+        Stages are checked in plan order, so a damaged upstream artifact reruns its stage before
+        any stage that reads it runs. Keys hash upstream keys, not contents: the rerun stage
+        records the same key, so its dependents are still done. That is right: they read the
+        artifact before it was damaged, and their own outputs are verified on their own."""
         entry = self.manifest["stages"].get(stage)
-        return bool(entry) and entry["key"] == key and all(self.resolve(o).exists() for o in entry["outputs"])
+        if not entry or entry["key"] != key:
+            return False, None
+        if "files" not in entry:  # recorded by older code
+            for o in entry["outputs"]:
+                target = self.resolve(o)
+                if not target.exists():
+                    return False, f"{o} is missing"
+                if o in entry.get("sha256", {}) and target.is_file() and file_sha256(target) != entry["sha256"][o]:
+                    return False, f"{o} changed since it was written (sha256 differs)"
+            return True, None
+        files = entry["files"]
+        if missing := next((o for o in entry["outputs"] if not self.resolve(o).exists()), None):
+            return False, f"{missing} is missing"
+        for rel, want in files.items():
+            target = self.resolve(rel)
+            if not target.is_file():
+                return False, f"{rel} is missing"
+            if (size := target.stat().st_size) != want["size"]:
+                return False, f"{rel} changed since it was written (size {size} bytes, was {want['size']})"
+        for rel, want in files.items():
+            if file_sha256(self.resolve(rel)) != want["sha256"]:
+                return False, f"{rel} changed since it was written (sha256 differs)"
+        return True, None
 
     def record(self, stage: str, key: str, outputs: list[str], seconds: float) -> None:
-        hashes = {o: file_sha256(self.resolve(o)) for o in outputs if self.resolve(o).is_file()}
+        """Record a finished stage: its key, and the size and sha256 of every file under each of
+        its outputs ("files", keyed by path in the run directory, in sorted order). "sha256"
+        keeps the digests of file outputs alone, as before (what `adopt_from_sibling` reads)."""
+        files: dict[str, dict[str, Any]] = {}
+        for o in outputs:
+            target = self.resolve(o)
+            found = sorted(f for f in target.rglob("*") if f.is_file()) if target.is_dir() else [target]
+            for f in found:
+                rel = f"{o.rstrip('/')}/{f.relative_to(target).as_posix()}" if target.is_dir() else o
+                files[rel] = {"size": f.stat().st_size, "sha256": file_sha256(f)}
         self.manifest["stages"][stage] = {
             "key": key,
             "outputs": outputs,
             "seconds": round(seconds, 3),
             "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "sha256": hashes,
+            "sha256": {o: files[o]["sha256"] for o in outputs if o in files},
+            "files": files,
         }
         self.save()
 
@@ -180,7 +232,7 @@ class RunDir:
         model and data does not evaluate the float model again). Returns the source, or None."""
         for other in sorted(p for p in self.path.parent.iterdir() if p.is_dir() and p != self.path):
             try:
-                entry = json.loads((other / MANIFEST).read_text())["stages"].get(stage)
+                entry = load_manifest(other / MANIFEST)[0]["stages"].get(stage)
             except (OSError, ValueError, KeyError):
                 continue
             files = entry.get("outputs", []) if entry and entry.get("key") == key else []
@@ -218,3 +270,36 @@ def _versions() -> dict[str, str]:
         except PackageNotFoundError:
             out[pkg] = "not installed"
     return out
+
+
+def load_manifest(path: Path) -> tuple[dict[str, Any], str | None]:
+    """The manifest at `path` and None; a fresh one when there is none. When it cannot be used
+    (not JSON, not an object, "stages" not an object, an entry without its fields), a fresh one
+    and what is wrong with it: no stage of it counts as done, never a traceback."""
+    fresh: dict[str, Any] = {"stages": {}}
+    if not path.is_file():
+        return fresh, None
+    try:
+        manifest = json.loads(path.read_bytes())
+    except (OSError, ValueError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return fresh, "not JSON"
+    if not isinstance(manifest, dict):
+        return fresh, "not a JSON object"
+    stages = manifest.get("stages")
+    if not isinstance(stages, dict):
+        return fresh, "\"stages\" is missing or not an object"
+    for name, entry in stages.items():
+        if not _valid_entry(entry):
+            return fresh, f"the entry of stage {name!r} lacks its key, outputs or digests"
+    return manifest, None
+
+
+def _valid_entry(entry: Any) -> bool:
+    def is_map(value: Any, check) -> bool:
+        return isinstance(value, dict) and all(isinstance(k, str) and check(v) for k, v in value.items())
+
+    return (isinstance(entry, dict) and isinstance(entry.get("key"), str)
+            and isinstance(entry.get("outputs"), list) and all(isinstance(o, str) for o in entry["outputs"])
+            and is_map(entry.get("sha256", {}), lambda v: isinstance(v, str))
+            and is_map(entry.get("files", {}), lambda v: isinstance(v, dict) and isinstance(v.get("sha256"), str)
+                       and isinstance(v.get("size"), int)))

@@ -22,6 +22,7 @@ from quantlab.models.builtin import BUILTIN_MODELS, float_checkpoint
 from quantlab.models.moe import unfuse_experts
 from quantlab.recipe import ModelSpec
 
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -55,13 +56,11 @@ def check_model_id(spec: ModelSpec) -> None:
         if path.is_dir() and not (path / "config.json").is_file() and not spec.gguf_file:
             raise UserError(f"model.id: directory {spec.id!r} has no config.json (a Hugging Face "
                             f"checkpoint) and model.gguf_file is not set")
-        if (path.is_dir() and (path / "config.json").is_file() and not spec.gguf_file and not spec.allow_pickle
-                and not any(path.glob("*.safetensors"))):
-            pickles = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))[:3]
-            raise UserError(f"model.id: {spec.id!r} holds no safetensors weights"
-                            f"{' (only ' + ', '.join(pickles) + ')' if pickles else ''}; unpickling can run code: "
-                            "convert it to safetensors, or set model.allow_pickle: true to read it with "
-                            "torch.load(weights_only=True)")
+        pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES) if path.is_dir() else []
+        if pickles and not spec.gguf_file and not spec.allow_pickle and not any(path.glob("*.safetensors")):
+            raise UserError(f"model.id: {spec.id!r} holds no safetensors weights (only {', '.join(pickles[:3])}); "
+                            "unpickling can run code: convert it to safetensors, or set model.allow_pickle: true "
+                            "to read it with torch.load(weights_only=True)")
         gguf = path / spec.gguf_file if path.is_dir() and spec.gguf_file else path
         if gguf.suffix == ".gguf":
             if not gguf.is_file():
