@@ -56,3 +56,12 @@ def test_a_pickle_only_checkpoint_needs_the_opt_in(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="pytorch_model.bin.*allow_pickle"):
         check_model_id(ModelSpec(id=str(tmp_path)))
     check_model_id(ModelSpec(id=str(tmp_path), allow_pickle=True))
+
+
+def test_a_file_that_is_no_checkpoint_is_named_as_one(tmp_path: Path) -> None:
+    from quantlab.models.sources import check_model_id
+    from quantlab.recipe import ModelSpec
+
+    (tmp_path / "README.md").write_text("# not a model")
+    with pytest.raises(UserError, match="is a file, not a checkpoint directory"):
+        check_model_id(ModelSpec(id=str(tmp_path / "README.md")))

@@ -50,6 +50,8 @@ def check_model_id(spec: ModelSpec) -> None:
         return
     if looks_local(spec.id):
         path = Path(spec.id).expanduser()
+        if path.is_file() and path.suffix != ".gguf":
+            raise UserError(f"model.id: {spec.id!r} is a file, not a checkpoint directory or a .gguf file")
         if not path.exists():
             raise UserError(f"model.id: local path {spec.id!r} does not exist; give an existing "
                             f"directory or .gguf file, a hub id, or one of: {', '.join(BUILTIN_MODELS)}")
