@@ -71,9 +71,7 @@ class RunContext:
         """`float_layers` for the quantize stage, which changes the model in place (a shared
         float model is taken out of the cache: later stages reload)."""
         model, store = self.float_layers()
-        if store is None:
-            del self._cache["float"]
-        return model, store
+        return (self.take_float_model() if store is None else model), store
 
     @property
     def dtype(self) -> torch.dtype:

@@ -4,7 +4,6 @@ its own outputs atomically; none reaches back into another's internals."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,6 @@ from quantlab.eval import rouge, summaries
 from quantlab.eval.divergence import divergence
 from quantlab.eval.perplexity import PerplexityResult, perplexity
 from quantlab.formats import keeps_folded_weights
-from quantlab.memory_plan import plan_for
 from quantlab.models.arch import arch_spec_for
 from quantlab.models.moe import calibrate_all_experts
 from quantlab.progress import console, step
@@ -104,8 +102,8 @@ def quantize(ctx: RunContext) -> None:
                            folded=folded, routed=routed, sink=write_block, **engine)
         extra = {"stages": [e.dump() for e in ctx.recipe.stages], **peaks.stop(),
                  "source_model": ctx.recipe.model.id, "lazy_loading": layer_store is not None}
-        if (estimate := plan_for(ctx.recipe, ctx.device, Path(ctx.resolved.location))) is not None:
-            extra["memory_plan"] = estimate.to_dict()  # beside the measured peaks
+        if "memory_plan" in ctx.run.manifest:  # the run's plan (pipeline.run_recipe), beside the measured peaks
+            extra["memory_plan"] = ctx.run.manifest["memory_plan"]
         ranges = next((a for a in reversed(algorithms) if isinstance(a, ActRanges)), None)
         extra.update(canonical_entries(ranges, scales))
         extra.update({f"{type(a).__name__.lower()}_summary": a.summary() for a in algorithms if hasattr(a, "summary")})
@@ -222,10 +220,6 @@ def _rouge_prompts(ctx: RunContext) -> tuple[list[summaries.Prompt], dict[str, A
 def _summarize(ctx: RunContext, label: str, output: str) -> None:
     """Greedy summaries of every ROUGE prompt by one model, scored, one JSON line per sample.
     The bundled runner generates; a model it cannot build falls back to transformers' `generate`."""
-    from quantlab.errors import UserError
-    from quantlab.runner.generate import continuations
-    from quantlab.runner.load import from_hf_model, load_runner
-
     spec = ctx.recipe.evaluate.rouge
     assert spec is not None
     prompts, info = _rouge_prompts(ctx)
