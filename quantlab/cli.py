@@ -6,7 +6,9 @@ import functools
 import importlib.resources
 import json
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Annotated, Callable, Optional
 
@@ -25,22 +27,48 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Post-training quantization and calibration for LLMs.")
 
 SetOption = Annotated[Optional[list[str]], typer.Option("--set", help="override: key.path=value (YAML value)")]
+AllowOutside = Annotated[bool, typer.Option("--allow-outside", help="let output.dir be a new directory outside the "
+                                            "runs root ($QUANTLAB_RUNS_ROOT, else the current directory)")]
 
 
 def user_errors(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, _on_sigterm) if main else None
         try:
             return fn(*args, **kwargs)
         except UserError as exc:
             if os.environ.get("RANK", "0") == "0":  # under torchrun every process meets the same bad input
                 typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(code=exc.exit_code) from None
-        except KeyboardInterrupt:
-            typer.echo("interrupted: finished stages are kept; run the same command to resume", err=True)
-            raise typer.Exit(code=130) from None
+        except KeyboardInterrupt as exc:
+            what, code = ("terminated", 143) if isinstance(exc, Terminated) else ("interrupted", 130)
+            typer.echo(f"{what}: finished stages are kept; run the same command to resume", err=True)
+            raise typer.Exit(code=code) from None
+        finally:
+            if main:
+                signal.signal(signal.SIGTERM, previous)
 
     return wrapper
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's or `kill`'s), raised where the process is, so that it unwinds as
+    Ctrl-C does: partial files are removed and a run that finished no stage leaves no directory
+    (Python's default for SIGTERM is to die on the spot)."""
+
+
+def _on_sigterm(_signum: int, _frame: object) -> None:
+    raise Terminated
+
+
+def allow_outside(given: bool) -> None:
+    """`--allow-outside`: through the environment, so torchrun's processes inherit it."""
+    if given:
+        from quantlab.rundir import ALLOW_OUTSIDE_ENV
+
+        os.environ[ALLOW_OUTSIDE_ENV] = "1"
 
 
 def _quiet_libraries() -> None:
@@ -72,9 +100,12 @@ def recipe_path(arg: str) -> Path:
 def run(recipe: Annotated[str, typer.Argument(help="recipe YAML file or shipped recipe name")],
         set_: SetOption = None,
         gpus: Annotated[int, typer.Option(help="calibrate on N GPUs: the same command in N processes "
-                                               "under torchrun; rank 0 writes the run directory")] = 1) -> None:
+                                               "under torchrun; rank 0 writes the run directory")] = 1,
+        outside: AllowOutside = False) -> None:
     """Run a recipe: calibrate, quantize, evaluate, report (resumes a killed run)."""
     from quantlab.recipe import load_recipe
+
+    allow_outside(outside)
 
     loaded = load_recipe(recipe_path(recipe), set_)
     if gpus != 1:
@@ -123,10 +154,12 @@ def _torchrun(recipe: str, set_: list[str] | None, gpus: int) -> int:
 @app.command()
 @user_errors
 def validate(recipe: Annotated[str, typer.Argument(help="recipe YAML file or shipped recipe name")],
-             set_: SetOption = None) -> None:
+             set_: SetOption = None, outside: AllowOutside = False) -> None:
     """Check a recipe without running it."""
     from quantlab.plan import build_plan, preflight
     from quantlab.recipe import load_recipe
+
+    allow_outside(outside)
 
     loaded = load_recipe(recipe_path(recipe), set_)
     preflight(loaded)

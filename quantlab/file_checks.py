@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from quantlab.errors import UserError
 
@@ -125,3 +125,22 @@ class _Bounded:
 
 def _bad(path: Path, why: str) -> None:
     raise UserError(f"{path}: {why}; the file is damaged or not what its name says")
+
+
+def read_json_object(path: Path, limit: int = 256 * 2**20) -> dict[str, Any]:
+    """The JSON object in `path` (a config, quant_config, index or sidecar): one line naming the
+    file when it is missing, too large, not UTF-8 JSON, or JSON but not an object, instead of
+    the reader's traceback or a message that does not say which file."""
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise UserError(f"{path}: cannot be read ({exc.strerror or type(exc).__name__})") from None
+    if size > limit:
+        _bad(path, f"is {size} bytes, more than the {limit}-byte limit of a JSON file quantlab reads")
+    try:
+        value = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        _bad(path, f"is not valid JSON ({str(exc)[:80]})")
+    if not isinstance(value, dict):
+        _bad(path, f"holds a JSON {type(value).__name__}, not an object")
+    return value

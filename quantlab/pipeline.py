@@ -136,9 +136,24 @@ def evaluate_run(run_dir: Path, overrides: list[str] | None = None) -> RunDir:
     if not resolved.is_file():
         raise UserError(f"{run_dir}: not a run directory (no recipe.resolved.yaml); give a directory quantlab run made")
     recipe = load_recipe(resolved, [*(overrides or []), f"output.dir={run_dir}"])
-    stages = RunDir(run_dir).manifest["stages"]
-    fixed = {name: stages[name]["key"] for name in QUANTIZING
-             if name in stages and all((run_dir / o).exists() for o in stages[name]["outputs"])}
+    fixed = finished_quantization(RunDir(run_dir))
     if "quantize" not in fixed:
         raise UserError(f"{run_dir}: the quantize stage never finished; finish the run with quantlab run first")
     return run_recipe(recipe, run_dir, fixed)
+
+
+def finished_quantization(run: RunDir) -> dict[str, str]:
+    """The keys of the run's finished quantizing stages, each verified: a damaged artifact of
+    one is refused in one line, since `quantlab eval` never quantizes (a rerun under the
+    recorded key would quantize with today's code and file it as the old result)."""
+    recorded = run.manifest["stages"]
+    fixed = {}
+    for name in QUANTIZING:
+        if name in recorded:
+            done, damage = run.verify(name, recorded[name]["key"])
+            if damage:
+                raise UserError(f"{run.path}: {damage}; quantlab eval does not quantize again: run the recipe "
+                                "with quantlab run to redo that stage")
+            if done:
+                fixed[name] = recorded[name]["key"]
+    return fixed

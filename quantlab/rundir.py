@@ -24,6 +24,8 @@ from typing import Any, Iterator
 from quantlab.errors import UserError
 
 MANIFEST = "manifest.json"
+RUNS_ROOT_ENV = "QUANTLAB_RUNS_ROOT"
+ALLOW_OUTSIDE_ENV = "QUANTLAB_ALLOW_OUTSIDE"
 
 
 def content_key(*parts: Any) -> str:
@@ -74,7 +76,12 @@ def file_sha256(path: Path) -> str:
 
 @contextlib.contextmanager
 def atomic_path(target: Path) -> Iterator[Path]:
-    """Yield a temporary sibling path; on success it replaces `target` (file or directory)."""
+    """Yield a temporary sibling path; on success it replaces `target` (file or directory).
+
+    A file replaces its target in one rename, so a kill at any moment leaves the old file or
+    the new one (the manifest is never missing). A directory cannot be renamed over another:
+    the old one is removed first, and a kill between the two leaves neither, which the
+    manifest's record of the directory's files then reports as missing."""
     tmp = target.with_name(f".{target.name}.partial")
     _remove(tmp)
     try:
@@ -82,7 +89,8 @@ def atomic_path(target: Path) -> Iterator[Path]:
     except BaseException:
         _remove(tmp)
         raise
-    _remove(target)
+    if tmp.is_dir() or target.is_dir():
+        _remove(target)
     os.replace(tmp, target)
 
 
@@ -90,6 +98,11 @@ def write_text_atomic(target: Path, text: str) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(target) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+def _is_partial(path: Path) -> bool:
+    """A temporary name of `atomic_path`: what a killed write leaves, removed by the next one."""
+    return path.name.startswith(".") and path.name.endswith(".partial")
 
 
 def _remove(path: Path) -> None:
@@ -104,8 +117,8 @@ def check_run_dir(path: Path) -> None:
     a stage replaces its outputs wholesale (`quantized/`, `export/<format>/`), so the directory
     must be the run's own. Refused: a symbolic link (a run never writes through one into
     another directory), the filesystem root, the home directory, the current directory or one
-    above it, anything that is not a directory, and an existing non-empty directory that is not
-    a quantlab run (no manifest.json). Checked before anything is written (`plan.preflight`)
+    above it, anything that is not a directory, an existing non-empty directory that is not
+    a quantlab run (no manifest.json), and a new directory outside `runs_root()`. Checked before anything is written (`plan.preflight`)
     and again when the run opens it."""
     text = str(path)
     if "\x00" in text:
@@ -125,9 +138,26 @@ def check_run_dir(path: Path) -> None:
     existing = next(p for p in (absolute, *absolute.parents) if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(f"output.dir: {text!r} cannot be created: {str(existing)!r} is not a writable directory")
-    if path.is_dir() and not (path / MANIFEST).is_file() and any(path.iterdir()):
+    is_run = (path / MANIFEST).is_file()
+    if path.is_dir() and not is_run and any(not _is_partial(p) for p in path.iterdir()):
         raise UserError(f"output.dir: {text!r} already holds files and is not a quantlab run directory "
                         f"(no {MANIFEST}); give a new or empty directory")
+    root = runs_root()
+    if root is not None and not is_run and not absolute.is_relative_to(root):
+        where = f"{RUNS_ROOT_ENV}={str(root)!r}" if os.environ.get(RUNS_ROOT_ENV) else f"the current directory {str(root)!r}"
+        raise UserError(f"output.dir: {text!r} is outside the runs root, {where}; give a path under it, set "
+                        f"{RUNS_ROOT_ENV}, or pass --allow-outside")
+
+
+def runs_root() -> Path | None:
+    """Where new run directories may be created: under $QUANTLAB_RUNS_ROOT, else under the
+    current directory; None (anywhere) with `quantlab run --allow-outside`, which sets
+    $QUANTLAB_ALLOW_OUTSIDE=1 so that the processes it starts inherit it. A recipe cannot
+    widen this: a recipe from elsewhere naming `/etc/x` or `~/.ssh/x` is refused. An existing
+    run directory (one with a manifest) is exempt: quantlab made it, with the flag if needed."""
+    if os.environ.get(ALLOW_OUTSIDE_ENV) == "1":
+        return None
+    return Path(os.environ.get(RUNS_ROOT_ENV) or ".").expanduser().resolve()
 
 
 class RunDir:
@@ -151,6 +181,7 @@ class RunDir:
         rd.created_now = not existed
         rd.manifest.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%S"))
         rd.manifest["versions"] = _versions()
+        rd.save()  # first: a directory killed at any later moment is recognisably a run and resumes
         return rd
 
     def resolve(self, rel: str) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,9 @@ WIKI_TRAIN = SHARED_DATA / "wikitext-2-raw-v1" / "wiki.train.first1MB.raw"
 WIKI_TEST = SHARED_DATA / "wikitext-2-raw-v1" / "wiki.test.raw"
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tests write their runs under pytest's temporary directories, outside the runs root (the
+# current directory); tests/test_confinement.py checks the root with this unset.
+os.environ["QUANTLAB_ALLOW_OUTSIDE"] = "1"
 
 # Property tests explore the same examples on every run: a CI failure reproduces locally.
 from hypothesis import settings  # noqa: E402
@@ -26,6 +30,20 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("quantlab", derandomize=True, deadline=None)
 settings.load_profile("quantlab")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+# Measurements, which differ between any two runs of one recipe: durations, memory peaks and
+# the size on disk (quant_config.json and the reports hold them).
+MEASURED = re.compile(r"seconds$|^peak_|^size_bytes$")
+
+
+def unmeasured(value: object) -> object:
+    """A JSON value without its measurements (`MEASURED` keys, at any depth)."""
+    if isinstance(value, dict):
+        return {k: unmeasured(v) for k, v in value.items() if not MEASURED.search(k)}
+    if isinstance(value, list):
+        return [unmeasured(v) for v in value]
+    return value
 
 
 # Per family: mixture-of-experts families get 4 experts, 2 per token (Qwen2-MoE's shared

@@ -65,3 +65,35 @@ def test_a_file_that_is_no_checkpoint_is_named_as_one(tmp_path: Path) -> None:
     (tmp_path / "README.md").write_text("# not a model")
     with pytest.raises(UserError, match="is a file, not a checkpoint directory"):
         check_model_id(ModelSpec(id=str(tmp_path / "README.md")))
+
+
+def test_a_new_run_dir_must_be_under_the_runs_root(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("QUANTLAB_ALLOW_OUTSIDE")
+    monkeypatch.chdir(tmp_path)
+    check_run_dir(Path("runs/a"))  # under the current directory
+    for outside in ("/etc/quantlab-run", str(tmp_path.parent / "elsewhere")):
+        with pytest.raises(UserError, match="outside the runs root.*--allow-outside"):
+            check_run_dir(Path(outside))
+    monkeypatch.setenv("QUANTLAB_RUNS_ROOT", str(tmp_path.parent))
+    check_run_dir(tmp_path.parent / "elsewhere")
+    with pytest.raises(UserError, match="QUANTLAB_RUNS_ROOT="):
+        check_run_dir(Path("/etc/quantlab-run"))
+    (tmp_path.parent / "done-run").mkdir()
+    (tmp_path.parent / "done-run" / "manifest.json").write_text("{}")
+    monkeypatch.delenv("QUANTLAB_RUNS_ROOT")
+    check_run_dir(tmp_path.parent / "done-run")  # an existing run stays usable wherever it is
+
+
+def test_allow_outside_lifts_the_root_for_the_command(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("QUANTLAB_ALLOW_OUTSIDE")
+    monkeypatch.chdir(tmp_path)
+    args = ["validate", "smollm2_rtn_w4a16", "--set", "output.dir=/tmp/quantlab-outside-test/run"]
+    refused = CliRunner().invoke(app, args)
+    assert refused.exit_code == 2 and len(refused.stderr.strip().splitlines()) == 1
+    assert "outside the runs root" in refused.stderr
+    monkeypatch.setattr("quantlab.plan.check_model_id", lambda spec: None)  # the model is not what is tested
+    monkeypatch.setattr("quantlab.plan.check_source", lambda spec, field: None)
+    monkeypatch.setattr("quantlab.plan.admit", lambda recipe: None)
+    allowed = CliRunner().invoke(app, [*args, "--allow-outside"])
+    assert "outside the runs root" not in allowed.output
+    assert not Path("/tmp/quantlab-outside-test").exists()  # validate writes nothing

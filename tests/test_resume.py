@@ -229,3 +229,19 @@ def test_code_fingerprint_follows_the_source(tmp_path) -> None:
     _fingerprint.cache_clear()
     assert code_fingerprint((pkg,)) != first
     assert len(code_fingerprint()) == 16  # the installed quantlab, kernels included
+
+
+def test_sigterm_unwinds_like_ctrl_c(tiny_model_dir, data_files, tmp_path, monkeypatch) -> None:
+    """A real SIGTERM during the first stage: exit 143, one line, no run directory left."""
+    import os
+    import signal
+
+    from quantlab.cli import app
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(raw_recipe(tiny_model_dir, data_files, tmp_path / "run")))
+    monkeypatch.setattr(stages, "calibrate", lambda ctx: os.kill(os.getpid(), signal.SIGTERM))
+    result = CliRunner().invoke(app, ["run", str(path)])
+    assert result.exit_code == 143 and result.stderr.strip().splitlines()[-1].startswith("terminated:")
+    assert not (tmp_path / "run").exists()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored for the caller

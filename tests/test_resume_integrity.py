@@ -15,11 +15,10 @@ from quantlab import stages
 from quantlab.pipeline import run_recipe
 from quantlab.recipe import Recipe, validate_recipe
 from quantlab.rundir import RunDir
-from conftest import WIKI_TEST, WIKI_TRAIN
+from conftest import WIKI_TEST, WIKI_TRAIN, unmeasured
 
 STAGE_FUNCTIONS = {"calibration": "calibrate", "evaluate_float": "evaluate_float", "quantize": "quantize",
                    "evaluate_quantized": "evaluate_quantized", "report": "report"}
-VOLATILE = ("seconds", "quantize_seconds", "peak_host_bytes", "peak_device_bytes")  # timings, memory peaks
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +82,8 @@ DAMAGE = {
 
 
 def comparable(path: Path) -> bytes | dict:
-    """The bytes of a file; for a JSON file, its content less the timings and memory peaks."""
-    if path.suffix == ".json":
-        return {k: v for k, v in json.loads(path.read_text()).items() if k not in VOLATILE}
-    return path.read_bytes()
+    """The bytes of a file; for a JSON file, its content less the measurements."""
+    return unmeasured(json.loads(path.read_text())) if path.suffix == ".json" else path.read_bytes()
 
 
 def stage_files(run: Path, stage: str) -> dict[str, bytes | dict]:
@@ -177,3 +174,13 @@ def test_a_manifest_without_digests_is_checked_as_before(finished, copy, ran) ->
     (copy / stages.PPL_FLOAT).write_text("{}")
     run_recipe(recipe, copy)
     assert ran == ["evaluate_float"]
+
+
+def test_eval_refuses_a_damaged_quantized_model_instead_of_quantizing(copy, ran) -> None:
+    from quantlab.errors import UserError
+    from quantlab.pipeline import evaluate_run
+
+    truncate(copy / shard(copy, -1))
+    with pytest.raises(UserError, match="changed since it was written.*does not quantize again"):
+        evaluate_run(copy, ["evaluate.perplexity.max_windows=1"])
+    assert ran == []

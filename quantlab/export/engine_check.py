@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from quantlab.file_checks import read_json_object
 from quantlab import toolenv
 from quantlab.export.api import detect
 from quantlab.toolenv import ToolEnv, run_script
@@ -43,11 +44,9 @@ ENGINES = {
 
 
 def _is_moe(export: Path) -> bool:
-    import json
-
     from quantlab.models.arch import n_experts
 
-    return n_experts(json.loads((export / "config.json").read_text())) > 0
+    return n_experts(read_json_object(export / "config.json")) > 0
 
 
 def python_for(engine: Engine, build: bool = True) -> Path | None:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from quantlab.file_checks import read_json_object
 from quantlab.errors import UserError
 from quantlab.export.bits import _to_int32, pack_dense, packed_len, unpack_dense
 from quantlab.export.checks import Report
@@ -146,7 +147,7 @@ def validate(path: Path) -> Report:
         report.key(qcfg, key, where)
     side = path / QUANTIZE_CONFIG
     if report.check("file", QUANTIZE_CONFIG, side.is_file(), "missing (older loaders read it)"):
-        other = json.loads(side.read_text())
+        other = read_json_object(side)
         for key in ("bits", "group_size", "sym", "desc_act", "checkpoint_format"):
             report.check("config agrees", f"{QUANTIZE_CONFIG}.{key}", other.get(key) == qcfg.get(key),
                          f"{other.get(key)!r} here, {qcfg.get(key)!r} in config.json")

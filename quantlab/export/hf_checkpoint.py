@@ -5,12 +5,12 @@ and, on the way back, the checks every such checkpoint must pass."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from quantlab.file_checks import read_json_object
 from quantlab.errors import UserError
 from quantlab.export.checks import Report
 from quantlab.export.shards import DEFAULT_MAX_SHARD, check_index, load_sharded, save_sharded
@@ -53,7 +53,7 @@ def read_config(path: Path) -> dict[str, Any]:
     f = path / "config.json"
     if not f.is_file():
         raise UserError(f"{path}: no config.json")
-    return json.loads(f.read_text())
+    return read_json_object(f)
 
 
 def start_validation(path: Path, name: str, quant_method: str) -> tuple[Report, dict[str, Any], dict[str, Any]]:

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from quantlab.file_checks import read_json_object
 from quantlab.errors import UserError
 from quantlab.export.checks import Report
 from quantlab.export.shards import DEFAULT_MAX_SHARD, check_index, load_sharded, save_sharded
@@ -177,7 +178,7 @@ def write(src: Canonical, tmp: Path, final: Path, max_shard_bytes: int | None = 
 
 def _read_json(path: Path, name: str) -> dict[str, Any]:
     f = path / name
-    return json.loads(f.read_text()) if f.is_file() else {}
+    return read_json_object(f) if f.is_file() else {}
 
 
 def _hf_name(paddle: str, prefix: str) -> str:
@@ -208,7 +209,7 @@ def _decode(weight: torch.Tensor, absmax: Any, qt: str) -> QuantizedWeight:
 
 def read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
     """Back to Hugging Face names and `[out, in]` layout; codes from the weights and the tables."""
-    config = json.loads((path / "config.json").read_text())
+    config = read_json_object(path / "config.json")
     qt = config["quantization_config"]["quant_type"]
     prefix = PADDLE_PREFIX.get(config["model_type"], config["model_type"])
     weight_scales = _read_json(path, WEIGHT_SCALES)
@@ -227,7 +228,7 @@ def read_scales(path: Path) -> dict[str, torch.Tensor]:
     """Deploy-time steps under Hugging Face names: `N.input_scale` from act_scales.json (absmax/127
     or /448 by quant_type), `A.k_scale` / `A.v_scale` `[kv_heads]` from cachekv_scales.json,
     read with PaddleNLP's stride (entry j·heads/kv_heads for KV head j)."""
-    config = json.loads((path / "config.json").read_text())
+    config = read_json_object(path / "config.json")
     qt = config["quantization_config"]["quant_type"]
     prefix = PADDLE_PREFIX.get(config["model_type"], config["model_type"])
     kind = "fp8" if qt == "a8w8_fp8" else "int8"
@@ -257,7 +258,7 @@ def validate(path: Path) -> Report:
     report = Report(NAME, str(path))
     if not report.check("file", "config.json", (path / "config.json").is_file(), "missing"):
         return report
-    config = json.loads((path / "config.json").read_text())
+    config = read_json_object(path / "config.json")
     qcfg = report.key(config, "quantization_config", "config.json") or {}
     where = "quantization_config"
     qt = report.key(qcfg, "quant_type", where, allowed=QUANT_TYPES)

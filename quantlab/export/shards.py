@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from quantlab.file_checks import check_safetensors
+from quantlab.file_checks import check_safetensors, read_json_object
 from quantlab.models.lazy import INDEX, read_checkpoint
 
 DEFAULT_MAX_SHARD = 5 * 1024**3
@@ -57,7 +57,7 @@ def check_index(report, path: Path) -> None:
         report.check("weights file", str(path / "model.safetensors"), (path / "model.safetensors").is_file(),
                      "neither model.safetensors nor an index file")
         return
-    index = json.loads((path / INDEX).read_text())
+    index = read_json_object(path / INDEX)
     wmap = index.get("weight_map", {})
     for fname in dict.fromkeys(wmap.values()):
         if report.check("shard exists", fname, (path / fname).is_file(), "listed in the index but missing"):

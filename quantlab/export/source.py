@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from quantlab.file_checks import read_json_object
 from quantlab.errors import UserError
 from quantlab.models.arch import ArchSpec, n_experts, spec_for_config, supported_types
 from quantlab.quant.canonical import SCALES_FILE, input_absmax_key, kv_absmax_keys
@@ -187,8 +188,11 @@ def load_source(path: Path) -> Canonical:
         tensors, quantized = load_canonical(path)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    config = json.loads((path / "config.json").read_text())
-    quant_config = json.loads((path / "quant_config.json").read_text())
+    except (KeyError, TypeError, AttributeError) as exc:  # a quant_config.json whose entries are not ours
+        raise UserError(f"{path / 'quant_config.json'}: an entry is missing or malformed ({type(exc).__name__}: "
+                        f"{str(exc)[:80]}); the file is damaged or not quantlab's") from None
+    config = read_json_object(path / "config.json")
+    quant_config = read_json_object(path / "quant_config.json")
     return Canonical(path, config, quant_config, tensors, quantized, load_scales(path))
 
 
@@ -281,7 +285,7 @@ def write_sidecar(src: Canonical, final_dir: Path, tmp_dir: Path, fmt: str, opti
 
 def read_sidecar(path: Path) -> dict[str, Any] | None:
     f = path / SIDECAR
-    return json.loads(f.read_text()) if f.is_file() else None
+    return read_json_object(f) if f.is_file() else None
 
 
 def sidecar_source(path: Path) -> Path | None:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from quantlab.file_checks import read_json_object
 from quantlab.errors import UserError
 from quantlab.export.checks import Report
 from quantlab.export.source import (Canonical, check_fingerprints, fingerprint, head_dim, linear_shapes,
@@ -163,7 +164,7 @@ def expected_scales(src: Canonical) -> dict[str, torch.Tensor]:
 
 
 def _load(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], str]:
-    config = json.loads((path / "config.json").read_text())
+    config = read_json_object(path / "config.json")
     model_type = next(k for k, v in ARCHITECTURES.items() if v == config["architecture"])
     return config, load_file(path / WEIGHTS), model_type
 
@@ -254,7 +255,7 @@ def validate(path: Path) -> Report:
     cfg_file = path / "config.json"
     if not report.check("file", "config.json", cfg_file.is_file(), "missing"):
         return report
-    config = json.loads(cfg_file.read_text())
+    config = read_json_object(cfg_file)
     arch, quant = _check_config(report, config)
     if not report.check("file", WEIGHTS, (path / WEIGHTS).is_file(), "missing") or not report.ok:
         return report

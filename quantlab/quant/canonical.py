@@ -45,6 +45,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from safetensors.torch import load_file, save_file
 
+from quantlab.file_checks import read_json_object
 from quantlab.models.lazy import (INDEX, CheckpointLayers, checkpoint_files, load_outside_layers, read_checkpoint,
                                    read_tensors, skeleton)
 from quantlab.models.moe import unfuse_experts
@@ -189,7 +190,7 @@ def _encoded(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
 
 def load_canonical(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
     """Float tensors and quantized weights, exactly as stored."""
-    config = json.loads((source / "quant_config.json").read_text())
+    config = read_json_object(source / "quant_config.json")
     if config.get("format") != FORMAT:
         raise ValueError(f"{source}: not a {FORMAT} directory (format={config.get('format')!r})")
     tensors = read_checkpoint(source)
@@ -252,7 +253,7 @@ def _fp8_weight(codes: torch.Tensor, scale: torch.Tensor, scheme: WeightScheme) 
 
 
 def load_quant_config(source: Path) -> dict[str, Any]:
-    return json.loads((source / "quant_config.json").read_text())
+    return read_json_object(source / "quant_config.json")
 
 
 def load_scales(source: Path) -> dict[str, torch.Tensor]:

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from quantlab.file_checks import read_json_object
 from quantlab.quant.activations import FP8_MAX
 from quantlab.quant.canonical import input_absmax_key, kv_absmax_keys
 from quantlab.quant.primitives import QuantizedWeight
@@ -112,5 +113,5 @@ def scale_tables_from_canonical(source: Path) -> dict[str, dict[str, Any]]:
     from quantlab.quant.canonical import load_canonical, load_quant_config, load_scales
 
     _, quantized = load_canonical(source)
-    model_config = json.loads((source / "config.json").read_text())
+    model_config = read_json_object(source / "config.json")
     return scale_tables(model_config, load_quant_config(source), quantized, load_scales(source))
