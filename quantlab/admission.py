@@ -90,8 +90,11 @@ def admit(recipe: Recipe, model_dir: Path | None = None) -> None:
     the model is on disk); without it the model's config is looked up without downloading
     anything, and the checks are skipped for a model that is not on disk yet."""
     check_architecture(recipe, model_dir)
-    located = model_config(recipe, model_dir) if recipe.export else None
+    located = model_config(recipe, model_dir)
     if located is None:
+        return
+    check_group_sizes(recipe, located[0])
+    if not recipe.export:
         return
     src = planned_canonical(recipe, *located)
     for i, fmt in enumerate(recipe.export):
@@ -110,20 +113,84 @@ def model_config(recipe: Recipe, model_dir: Path | None = None) -> tuple[dict[st
         path = float_checkpoint_dir(model_id)
     else:
         path = Path(model_id).expanduser()
-    if not (path / "config.json").is_file():
+    config_file = path / "config.json"
+    if not config_file.is_file() and _hub_id(recipe):
+        config_file = _hub_config(recipe, download=model_dir is not None) or config_file
+    if not config_file.is_file():
         return None
-    config = json.loads((path / "config.json").read_text())
-    return (config, path) if config.get("model_type") in ARCH_SPECS else None
+    config = json.loads(config_file.read_text())
+    return (config, config_file.parent) if config.get("model_type") in ARCH_SPECS else None
 
 
-def planned_canonical(recipe: Recipe, config: dict[str, Any], model_dir: Path) -> Canonical:
-    """The canonical form the recipe's run will write, as shapes and schemes (module docstring)."""
+def _hub_id(recipe: Recipe) -> bool:
+    from quantlab.models.sources import looks_local
+
+    model_id = recipe.model.id
+    return not (model_id in BUILTIN_MODELS or model_id.startswith("modelscope:") or looks_local(model_id))
+
+
+def _hub_config(recipe: Recipe, download: bool) -> Path | None:
+    """A hub model's config.json from the Hugging Face cache; with `download` (a run, which
+    fetches the model anyway) fetched first, so the model-dependent checks run before
+    calibration. None where neither gives it: the model loader then says why in one line."""
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
+    spec = recipe.model
+    cached = try_to_load_from_cache(spec.id, "config.json", revision=spec.revision)
+    if isinstance(cached, str):
+        return Path(cached)
+    if not download:
+        return None
+    try:
+        return Path(hf_hub_download(spec.id, "config.json", revision=spec.revision))
+    except Exception:  # offline, no such repository, no config.json: not this check's to say
+        return None
+
+
+def check_group_sizes(recipe: Recipe, config: dict[str, Any]) -> None:
+    """Refuse a weight stage whose group_size exceeds the input width of a Linear it quantizes.
+    A group size that does not divide the width is fine (the last group is shorter, the GPTQ
+    `g_idx = i // G` convention), but a group wider than the whole row is no group at all:
+    `primitives.grouped` would pad it with copies of the last column, and the exporters would
+    write a group_size the engines reject. So the bound is the narrowest quantized input."""
+    try:
+        linears = planned_linears(recipe, config)
+    except (KeyError, TypeError, ValueError):
+        return  # a config without the sizes: loading the model says what is wrong with it
+    for i, entry in enumerate(recipe.stages):
+        if entry.kind not in WEIGHT_KINDS or entry.config.weights.group_size is None:
+            continue
+        widths = {name: shape[1] for name, shape in linears.items() if _quantizes(entry.config, name)}
+        narrowest = min(widths, key=widths.__getitem__, default=None)
+        group = entry.config.weights.group_size
+        if narrowest is not None and group > widths[narrowest]:
+            width = widths[narrowest]
+            raise UserError(f"stages.{i}.{entry.kind}.weights.group_size: {group} exceeds the input width {width} "
+                            f"of {narrowest}; give a power of two of at most {width} "
+                            f"(e.g. {1 << (width.bit_length() - 1)}) or null (per-channel)")
+
+
+def _quantizes(stage: Any, name: str) -> bool:
+    """Whether the weight stage `stage` quantizes the Linear `name` (the head only when asked)."""
+    if name == "lm_head" and not getattr(stage, "lm_head", False):
+        return False
+    return not is_ignored(name, stage.ignore)
+
+
+def planned_linears(recipe: Recipe, config: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """`[out, in]` of every Linear the recipe's weight stages may quantize, from the config."""
     spec = ARCH_SPECS[config["model_type"]]
     shapes = linear_shapes(config, spec)
     names = {f"{spec.layers}.{i}.{lin}": shapes[lin]
              for i in range(int(config["num_hidden_layers"])) for lin in spec.linears}
     if _head_stage(recipe):
         names["lm_head"] = (int(config["vocab_size"]), int(config["hidden_size"]))
+    return names
+
+
+def planned_canonical(recipe: Recipe, config: dict[str, Any], model_dir: Path) -> Canonical:
+    """The canonical form the recipe's run will write, as shapes and schemes (module docstring)."""
+    names = planned_linears(recipe, config)
     quantized: dict[str, QuantizedWeight] = {}
     for entry in recipe.stages:
         if entry.kind not in WEIGHT_KINDS:
@@ -131,9 +198,7 @@ def planned_canonical(recipe: Recipe, config: dict[str, Any], model_dir: Path) -
         stage = entry.config
         act_order = entry.kind == "gptq" and stage.act_order and not stage.static_groups
         for name, shape in names.items():
-            if name == "lm_head" and not getattr(stage, "lm_head", False):
-                continue
-            if not is_ignored(name, stage.ignore):
+            if _quantizes(stage, name):
                 quantized[name] = _planned_weight(shape, stage.weights, act_order)
     planned = Canonical(model_dir, config, _planned_quant_config(recipe, names), {}, quantized)
     # the float weights before rounding, which the quantize stage keeps for a listed K-quant

@@ -32,8 +32,14 @@ class Stage:
 
 
 def preflight(recipe: Recipe) -> None:
-    """Checks that need the filesystem but no downloads; done before a run directory exists."""
+    """Checks that need the filesystem (and at most one probe of the hub) but no downloads; done
+    before a run directory exists, so bad input is refused before anything is written."""
+    from quantlab.context import pick_device
+    from quantlab.data.sources import check_token_supply
+    from quantlab.models.sources import local_tokenizer
+
     check_run_dir(recipe.run_dir)
+    pick_device(recipe.device)  # `device: cuda` on a machine without CUDA: refused here, not mid-run
     check_model_id(recipe.model)
     if recipe.calibration:
         check_source(recipe.calibration.dataset, "calibration.dataset")
@@ -44,6 +50,7 @@ def preflight(recipe: Recipe) -> None:
     if recipe.evaluate.rouge:
         check_source(recipe.evaluate.rouge.dataset, "evaluate.rouge.dataset")
     admit(recipe)
+    check_token_supply(recipe, lambda: local_tokenizer(recipe.model))  # local data, model on disk
 
 
 def build_plan(recipe: Recipe, fixed: dict[str, str] | None = None) -> list[Stage]:

@@ -273,3 +273,147 @@ def test_unsupported_architecture_is_refused_before_any_weight_is_read(source, t
         assert "supported: gemma3_text, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe" in line
         assert time.perf_counter() - start < 10
     assert sorted(os.listdir(work)) == ["recipe.yaml"]
+
+
+def _validate_and_run_refuse(raw: dict, tmp_path: Path, monkeypatch, field: str, *args: str) -> str:
+    """`validate` and `run` both answer one line naming `field`, and write nothing."""
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(raw))
+    monkeypatch.chdir(tmp_path)
+    for command in ("validate", "run"):
+        result = invoke([command, "recipe.yaml", *args])
+        line = assert_user_error(result.exit_code, result.stdout, result.stderr, field)
+    assert sorted(os.listdir(tmp_path)) == ["recipe.yaml"]
+    return line
+
+
+def test_group_size_wider_than_a_quantized_layer_is_refused(tiny_model_dir, tmp_path, monkeypatch) -> None:
+    """The tiny llama's narrowest inputs are 64 wide (hidden_size): a group of 128 spans no group."""
+    line = _validate_and_run_refuse(good_recipe(tiny_model_dir), tmp_path, monkeypatch,
+                                    "stages.0.rtn.weights.group_size", "--set", "stages.0.rtn.weights.group_size=128")
+    assert "128 exceeds the input width 64 of model.layers.0.self_attn.q_proj" in line
+    assert "at most 64" in line
+
+
+def test_group_size_is_checked_once_a_hub_models_config_arrives(tiny_model_dir, monkeypatch) -> None:
+    """A hub model not in the cache: preflight cannot know its widths, the run's admission
+    (model_dir given) fetches config.json and refuses before calibration."""
+    import huggingface_hub
+
+    from quantlab.admission import admit
+    from quantlab.errors import UserError
+    from quantlab.recipe import validate_recipe
+
+    raw = {**good_recipe(tiny_model_dir), "model": {"id": "nobody/no-such-model"}}
+    raw["stages"][0]["rtn"]["weights"]["group_size"] = 128
+    recipe = validate_recipe(raw)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda *a, **k: str(tiny_model_dir / "config.json"))
+    with pytest.raises(UserError, match=r"stages\.0\.rtn\.weights\.group_size: 128 exceeds the input width 64"):
+        admit(recipe, Path(recipe.model.id))
+
+
+def test_device_cuda_without_cuda_is_refused_in_preflight(fake_model_dir, tmp_path, monkeypatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    line = _validate_and_run_refuse(good_recipe(fake_model_dir), tmp_path, monkeypatch, "device",
+                                    "--set", "device=cuda")
+    assert "use 'cpu' or 'auto'" in line
+    assert invoke(["validate", "recipe.yaml", "--set", "device=auto"]).exit_code == 0
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("offline_env", [False, True])
+def test_unreachable_hub_is_refused_in_seconds(offline_env, fake_model_dir, tmp_path, monkeypatch) -> None:
+    """No ~47 s of retries: HF_HUB_OFFLINE, or one probe of the endpoint (a closed local port here)."""
+    import time
+
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline_env)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1" if offline_env else "0")
+    raw = {**good_recipe(fake_model_dir), "model": {"id": "nobody/no-such-model"}}
+    start = time.perf_counter()
+    line = _validate_and_run_refuse(raw, tmp_path, monkeypatch, "model.id")
+    assert time.perf_counter() - start < 5
+    assert ("HF_HUB_OFFLINE is set" if offline_env else "no answer from http://127.0.0.1") in line
+
+
+def test_hub_probe_reachable_and_closed() -> None:
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from quantlab.models.sources import _probe
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)  # answers HEAD with 501
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert _probe(f"http://127.0.0.1:{server.server_address[1]}") is None  # any HTTP answer: reachable
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert "ConnectError" in _probe(f"http://127.0.0.1:{_closed_port()}")
+
+
+@pytest.mark.parametrize("model,field,needle", [
+    ({"id": " "}, "model.id", "neither an existing local path nor a hub id"),
+    ({"id": "/dev/null"}, "model.id", "a device or special file"),
+    ({"id": "a\x00b"}, "model.id", "NUL"),
+    ({"gguf_file": "model.bin"}, "model.gguf_file", "not a .gguf file"),
+])
+def test_bad_model_ids_are_one_line(model, field, needle, tmp_path, monkeypatch) -> None:
+    """Including a directory without config.json plus a gguf_file, which got a bogus hub URL."""
+    empty = tmp_path / "no-config"
+    empty.mkdir()
+    work = tmp_path / "work"
+    work.mkdir()
+    raw = {**good_recipe(empty), "model": {"id": str(empty), **model}}
+    assert needle in _validate_and_run_refuse(raw, work, monkeypatch, field)
+
+
+def test_local_load_error_drops_the_hub_hint() -> None:
+    from quantlab.models.sources import _local_reason
+
+    exc = OSError("/m does not appear to have a file named x.bin. Checkout 'https://huggingface.co//m/tree/main' "
+                  "for available files.")
+    assert _local_reason(exc) == "/m does not appear to have a file named x.bin."
+
+
+def test_calibration_source_directory_is_named_a_directory(fake_model_dir, tmp_path, monkeypatch) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    work = tmp_path / "work"
+    work.mkdir()
+    raw = good_recipe(fake_model_dir)
+    raw["calibration"]["dataset"]["source"] = str(data)
+    line = _validate_and_run_refuse(raw, work, monkeypatch, "calibration.dataset.source")
+    assert "is a directory" in line and "not found" not in line
+
+
+@pytest.mark.parametrize("mutate,field,needle", [
+    (_set("evaluate.perplexity.dataset.source", "SHORT"), "evaluate.perplexity.seq_len",
+     "fewer than one window of 64 tokens"),
+    (_set("calibration.dataset.source", "SHORT"), "calibration.seq_len", "fewer than one sample of 32 tokens"),
+    (_set("calibration.strategy", "concat_chunk"), "calibration.num_samples", "fewer than 4 windows of 32 tokens"),
+])
+def test_too_little_data_is_found_in_preflight(mutate, field, needle, tiny_model_dir, tmp_path, monkeypatch) -> None:
+    """Counted with the model's tokenizer before calibration, before any run directory exists."""
+    short = tmp_path / "short.txt"
+    short.write_text("a few words only\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    raw = good_recipe(tiny_model_dir)
+    mutate(raw)
+    if raw["calibration"]["strategy"] == "concat_chunk":
+        raw["calibration"]["dataset"]["source"] = str(short)
+        raw["calibration"]["num_samples"] = 4
+    for part in (raw["calibration"]["dataset"], raw["evaluate"]["perplexity"]["dataset"]):
+        part["source"] = str(short) if part["source"] == "SHORT" else part["source"]
+    assert needle in _validate_and_run_refuse(raw, work, monkeypatch, field)

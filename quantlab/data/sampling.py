@@ -62,6 +62,8 @@ def sample(docs: list[str], tokenizer: Any, spec: CalibrationSpec, seed: int) ->
     if spec.strategy == "random_windows":
         if stream.numel() <= length:
             raise _too_short("calibration.seq_len", length, stream.numel())
+        if n * length > stream.numel():
+            _warn_overlap(n, length, stream.numel())
         starts = torch.randint(0, stream.numel() - length, (n,), generator=gen)
     else:  # concat_chunk
         chunks = stream.numel() // length
@@ -88,6 +90,63 @@ def _per_document(docs: list[str], tokenizer: Any, n: int, length: int, gen: tor
                         f"strategy concat_chunk")
     pick = torch.randperm(len(long_enough), generator=gen)[:n].sort().values
     return CalibrationSet(torch.stack([long_enough[i] for i in pick.tolist()]), total)
+
+
+def _warn_overlap(n: int, length: int, have: int) -> None:
+    """Random windows from too little data must overlap: the repeated tokens weigh more in the
+    calibration statistics than the rest. Allowed (results stay what they were), but said."""
+    from quantlab.progress import console
+
+    console.print(f"warning: calibration: {n} samples × {length} tokens need {n * length} tokens but the data "
+                  f"has {have}, so the windows overlap; add data or lower calibration.num_samples or seq_len",
+                  soft_wrap=True, markup=False, highlight=False)
+
+
+@dataclass(frozen=True)
+class TokenDemand:
+    """What one reader of a data source needs: at least `tokens` tokens of the joined stream
+    (`tokenize_joined`); `what` and `advice` make the one-line refusal."""
+
+    field: str
+    tokens: int
+    what: str
+    advice: str
+
+    def check(self, source: str, have: int) -> None:
+        if have < self.tokens:
+            raise UserError(f"{self.field}: {source!r} has {have} tokens, fewer than {self.what}; {self.advice}")
+
+
+def calibration_demand(spec: CalibrationSpec, bos: bool) -> TokenDemand:
+    """The tokens `sample` needs for `spec` (`bos`: the tokenizer prefixes BOS): enough for the
+    window strategies; for per_document only the necessary one document's worth."""
+    length = spec.seq_len - bos
+    if spec.strategy == "concat_chunk":
+        return TokenDemand("calibration.num_samples", spec.num_samples * length,
+                           f"{spec.num_samples} windows of {length} tokens",
+                           "lower num_samples or seq_len, or use strategy random_windows")
+    if spec.strategy == "random_windows":
+        return TokenDemand("calibration.seq_len", length + 1, f"one sample of {length} tokens plus one",
+                           "lower seq_len or use more data")
+    return TokenDemand("calibration.seq_len", length, f"one document of {length} tokens",
+                       "lower seq_len or use more data")
+
+
+PREFIX_MARGIN = 64  # tokens: a prefix's count may differ from the whole text's near the cut
+
+
+def tokens_at_least(docs: list[str], tokenizer: Any, need: int) -> int:
+    """The token count of the joined documents when it is below `need`, else some count of at
+    least `need`: a growing prefix of the text is tokenized and the count stops there, so a
+    preflight check on a large file costs milliseconds instead of tokenizing all of it."""
+    text = "\n\n".join(docs)
+    chars = 8 * (need + PREFIX_MARGIN)
+    while chars < len(text):
+        count = len(tokenizer(text[:chars], add_special_tokens=False).input_ids)
+        if count >= need + PREFIX_MARGIN:
+            return count
+        chars *= 4
+    return len(tokenizer(text, add_special_tokens=False).input_ids)
 
 
 def _too_short(field: str, length: int, have: int) -> UserError:

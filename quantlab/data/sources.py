@@ -17,12 +17,13 @@ import importlib.resources
 import json
 from functools import cache
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import yaml
 
+from quantlab.data.sampling import TokenDemand, bos_prefix, calibration_demand, tokens_at_least
 from quantlab.errors import UserError
-from quantlab.recipe import DatasetSpec, SummaryDataSpec
+from quantlab.recipe import DatasetSpec, Recipe, SummaryDataSpec, verify_dataset
 
 LOCAL_SUFFIXES = {".txt", ".raw", ".jsonl", ".json", ".parquet"}
 
@@ -84,6 +85,54 @@ def check_head(path: Path, field: str) -> None:
             record = None
         if not isinstance(record, dict):
             raise UserError(f"{field}: {str(path)!r} line 1 is not a JSON object; JSON Lines hold one object per line")
+
+
+def token_demands(recipe: Recipe, bos: bool) -> list[tuple[DatasetSpec, str, TokenDemand]]:
+    """(source, its field, the least it must yield) for each reader of token windows: the
+    calibration sampler, the perplexity windows, the verify stage's prompts and windows.
+    (ROUGE cuts documents to max_input_tokens: any non-empty record will do.)"""
+    demands = []
+    if recipe.calibration:
+        demands.append((recipe.calibration.dataset, "calibration.dataset", calibration_demand(recipe.calibration, bos)))
+    ppl = recipe.evaluate.perplexity
+    if ppl:
+        demands.append((ppl.dataset, "evaluate.perplexity.dataset", TokenDemand(
+            "evaluate.perplexity.seq_len", ppl.seq_len - bos, f"one window of {ppl.seq_len} tokens",
+            "lower seq_len or use a larger dataset")))
+    verify, data = recipe.verify, verify_dataset(recipe)
+    if verify and data and not verify.prompts:
+        demands.append((data, "verify.dataset", TokenDemand(
+            "verify.num_prompts", verify.num_prompts * verify.prompt_tokens,
+            f"num_prompts × prompt_tokens = {verify.num_prompts} × {verify.prompt_tokens}",
+            "lower them or use more text")))
+    if verify and data and verify.perplexity_windows:
+        demands.append((data, "verify.dataset", TokenDemand(
+            "verify.seq_len", verify.seq_len - bos, f"one window of {verify.seq_len} tokens",
+            "lower verify.seq_len or set verify.perplexity_windows: 0")))
+    return demands
+
+
+def check_token_supply(recipe: Recipe, tokenizer_of: Callable[[], Any | None]) -> None:
+    """Refuse, before calibration and before a run directory exists, a local data file that
+    yields too few tokens for what reads it (`token_demands`): otherwise an evaluation source
+    too short for one window is found only after calibrating and quantizing. `tokenizer_of`
+    gives the model's tokenizer where it is on disk (None: not checked), and is called only
+    when a local file is read. Each file is read once; sources needing a download are left
+    to the run."""
+    def local(spec: DatasetSpec) -> bool:
+        return spec.source not in shortcuts() and is_local(spec.source)
+
+    tokenizer = tokenizer_of() if any(local(spec) for spec, _, _ in token_demands(recipe, False)) else None
+    if tokenizer is None:
+        return
+    docs: dict[str, list[str]] = {}
+    for spec, field, demand in token_demands(recipe, bos_prefix(tokenizer) is not None):
+        if not local(spec):
+            continue
+        key = spec.model_dump_json()
+        if key not in docs:
+            docs[key] = load_documents(spec, field, tokenizer)
+        demand.check(spec.source, tokens_at_least(docs[key], tokenizer, demand.tokens))
 
 
 def load_documents(spec: DatasetSpec, field: str, tokenizer: Any = None) -> list[str]:

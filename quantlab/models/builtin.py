@@ -89,6 +89,13 @@ def float_checkpoint_dir(alias: str) -> Path:
     return cache_root() / "models" / alias
 
 
+def cached_float_checkpoint(alias: str) -> Path | None:
+    """The float copy of a built-in model when it is already made, else None: what preflight
+    may read (its tokenizer) without downloading or dequantizing anything."""
+    target = float_checkpoint_dir(alias)
+    return target if _is_complete(target) else None
+
+
 def float_checkpoint(alias: str) -> Path:
     """Directory holding the float safetensors copy of a built-in model, created on first use."""
     spec = BUILTIN_MODELS[alias]

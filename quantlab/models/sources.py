@@ -10,7 +10,10 @@ Forms of `model.id`, tried in this order:
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +21,7 @@ import torch
 
 from quantlab.errors import UserError
 from quantlab.file_checks import check_gguf
-from quantlab.models.builtin import BUILTIN_MODELS, float_checkpoint
+from quantlab.models.builtin import BUILTIN_MODELS, cached_float_checkpoint, float_checkpoint
 from quantlab.models.moe import unfuse_experts
 from quantlab.recipe import ModelSpec
 
@@ -34,6 +37,7 @@ class ResolvedModel:
     location: str  # a local directory, or the hub id
     gguf_file: str | None
     revision: str | None
+    offline: bool = False  # a hub model read from the local cache only: the hub is unreachable
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "location": self.location, "gguf_file": self.gguf_file,
@@ -49,25 +53,37 @@ def check_model_id(spec: ModelSpec) -> None:
     if spec.id in BUILTIN_MODELS or spec.id.startswith("modelscope:"):
         return
     if looks_local(spec.id):
-        path = Path(spec.id).expanduser()
-        if path.is_file() and path.suffix != ".gguf":
-            raise UserError(f"model.id: {spec.id!r} is a file, not a checkpoint directory or a .gguf file")
-        if not path.exists():
-            raise UserError(f"model.id: local path {spec.id!r} does not exist; give an existing "
-                            f"directory or .gguf file, a hub id, or one of: {', '.join(BUILTIN_MODELS)}")
-        if path.is_dir() and not (path / "config.json").is_file() and not spec.gguf_file:
-            raise UserError(f"model.id: directory {spec.id!r} has no config.json (a Hugging Face "
-                            f"checkpoint) and model.gguf_file is not set")
-        pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES) if path.is_dir() else []
-        if pickles and not spec.gguf_file and not spec.allow_pickle and not any(path.glob("*.safetensors")):
-            raise UserError(f"model.id: {spec.id!r} holds no safetensors weights (only {', '.join(pickles[:3])}); "
-                            "unpickling can run code: convert it to safetensors, or set model.allow_pickle: true "
-                            "to read it with torch.load(weights_only=True)")
-        gguf = path / spec.gguf_file if path.is_dir() and spec.gguf_file else path
-        if gguf.suffix == ".gguf":
-            if not gguf.is_file():
-                raise UserError(f"model.gguf_file: {str(gguf)!r} is not a file")
-            check_gguf(gguf)
+        _check_local(spec)
+    else:
+        _check_hub_id(spec)
+
+
+def _check_local(spec: ModelSpec) -> None:
+    """A local `model.id`: an existing checkpoint directory (config.json and safetensors, or a
+    `model.gguf_file` in it) or a valid .gguf file."""
+    path = Path(spec.id).expanduser()
+    if not path.exists():
+        raise UserError(f"model.id: local path {spec.id!r} does not exist; give an existing "
+                        f"directory or .gguf file, a hub id, or one of: {', '.join(BUILTIN_MODELS)}")
+    if not path.is_dir() and (not path.is_file() or path.suffix != ".gguf"):
+        kind = "a file" if path.is_file() else "a device or special file"
+        raise UserError(f"model.id: {spec.id!r} is {kind}, not a checkpoint directory or a .gguf file")
+    if path.is_dir() and spec.gguf_file and not spec.gguf_file.endswith(".gguf"):
+        raise UserError(f"model.gguf_file: {spec.gguf_file!r} is not a .gguf file; name a .gguf file in "
+                        f"{spec.id!r}, or leave model.gguf_file out for a Hugging Face checkpoint directory")
+    if path.is_dir() and not (path / "config.json").is_file() and not spec.gguf_file:
+        raise UserError(f"model.id: directory {spec.id!r} has no config.json (a Hugging Face "
+                        f"checkpoint) and model.gguf_file is not set")
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES) if path.is_dir() else []
+    if pickles and not spec.gguf_file and not spec.allow_pickle and not any(path.glob("*.safetensors")):
+        raise UserError(f"model.id: {spec.id!r} holds no safetensors weights (only {', '.join(pickles[:3])}); "
+                        "unpickling can run code: convert it to safetensors, or set model.allow_pickle: true "
+                        "to read it with torch.load(weights_only=True)")
+    gguf = path / spec.gguf_file if path.is_dir() and spec.gguf_file else path
+    if gguf.suffix == ".gguf":
+        if not gguf.is_file():
+            raise UserError(f"model.gguf_file: {str(gguf)!r} is not a file")
+        check_gguf(gguf)
 
 
 def resolve(spec: ModelSpec) -> ResolvedModel:
@@ -80,7 +96,60 @@ def resolve(spec: ModelSpec) -> ResolvedModel:
         return ResolvedModel("gguf", str(path.parent), path.name, None)
     if path.is_dir():
         return ResolvedModel("local", str(path), spec.gguf_file, None)
-    return ResolvedModel("hub", spec.id, spec.gguf_file, spec.revision)
+    offline = _check_hub_id(spec) is not None
+    return ResolvedModel("hub", spec.id, spec.gguf_file, spec.revision, offline)
+
+
+def _check_hub_id(spec: ModelSpec) -> str | None:
+    """Refuse a hub id at once when the hub is unreachable and the cache lacks the model;
+    returns why the hub is unreachable (the model is then read from the cache only), or None."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(spec.id)
+    except HFValidationError:
+        raise UserError(f"model.id: {spec.id!r} is neither an existing local path nor a hub id (org/name: "
+                        f"letters, digits, '-', '_', '.'); give a checkpoint directory, a .gguf file, a hub id, "
+                        f"or one of: {', '.join(BUILTIN_MODELS)}") from None
+    why = hub_unreachable()
+    if why and not in_hub_cache(spec):
+        raise _not_available(spec, why)
+    return why
+
+
+PROBE_TIMEOUT_S = 3.0  # one request to the hub's endpoint; a hub that answers does so well within it
+
+
+def hub_unreachable(endpoint: str | None = None) -> str | None:
+    """Why the Hugging Face hub cannot be reached (HF_HUB_OFFLINE set, or one request to its
+    endpoint failing within PROBE_TIMEOUT_S, no retries), or None when it answers. Without
+    this, huggingface_hub retries an unreachable host with back-off (~47 s) before failing."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        return "HF_HUB_OFFLINE is set"
+    return _probe(endpoint or constants.ENDPOINT)
+
+
+@cache
+def _probe(endpoint: str) -> str | None:
+    """One HEAD request to `endpoint` through huggingface_hub's session (its proxies and
+    headers); any HTTP answer, even an error status, means reachable. Once per process."""
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(endpoint, timeout=PROBE_TIMEOUT_S, follow_redirects=False)
+    except Exception as exc:  # connection refused, DNS failure, timeout, proxy error: all unreachable
+        return f"no answer from {endpoint} within {PROBE_TIMEOUT_S:g} s: {type(exc).__name__}"
+    return None
+
+
+def in_hub_cache(spec: ModelSpec) -> bool:
+    """Whether the local Hugging Face cache holds the hub model's config (or its GGUF file)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    wanted = spec.gguf_file or "config.json"
+    return isinstance(try_to_load_from_cache(spec.id, wanted, revision=spec.revision), str)
 
 
 def _modelscope_download(spec: ModelSpec) -> str:
@@ -106,6 +175,8 @@ def load_model(spec: ModelSpec, resolved: ResolvedModel) -> torch.nn.Module:
         kwargs["use_safetensors"] = True  # a hub repository with only pickle files fails to load
     if resolved.revision and resolved.kind == "hub":
         kwargs["revision"] = resolved.revision
+    if resolved.offline:
+        kwargs["local_files_only"] = True
     try:
         model = AutoModelForCausalLM.from_pretrained(resolved.location, **kwargs)
     except OSError as exc:
@@ -138,7 +209,8 @@ def _local_snapshot(spec: ModelSpec, resolved: ResolvedModel) -> Path | None:
 
     try:
         return Path(snapshot_download(resolved.location, revision=resolved.revision,
-                                      allow_patterns=["*.json", "*.safetensors"]))
+                                      allow_patterns=["*.json", "*.safetensors"],
+                                      local_files_only=resolved.offline))
     except Exception:  # unreachable hub and no cache: the eager loader says it in one line
         return None
 
@@ -151,19 +223,61 @@ def load_tokenizer(spec: ModelSpec, resolved: ResolvedModel) -> Any:
         kwargs["gguf_file"] = resolved.gguf_file
     if resolved.revision and resolved.kind == "hub":
         kwargs["revision"] = resolved.revision
+    if resolved.offline:
+        kwargs["local_files_only"] = True
     try:
         return AutoTokenizer.from_pretrained(resolved.location, **kwargs)
     except OSError as exc:
         raise _unreachable(spec, resolved, exc) from None
 
 
+def local_tokenizer(spec: ModelSpec) -> Any | None:
+    """The tokenizer of a model already on disk (a checkpoint directory, or a built-in alias
+    whose float copy is made), for preflight's data checks; None where only a download, a GGUF
+    parse or remote code would give it, or where it does not load (the run then says why)."""
+    if spec.gguf_file or spec.trust_remote_code:
+        return None
+    if spec.id in BUILTIN_MODELS:
+        directory = cached_float_checkpoint(spec.id)
+    else:
+        path = Path(spec.id).expanduser()
+        directory = path if looks_local(spec.id) and (path / "config.json").is_file() else None
+    if directory is None:
+        return None
+    from transformers.utils import logging
+
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # preflight prints one line or nothing
+    try:
+        return load_tokenizer(spec, ResolvedModel("local", str(directory), None, None))
+    except Exception:  # no tokenizer files, a broken one: loading the model reports it
+        return None
+    finally:
+        logging.set_verbosity(verbosity)
+
+
 def _unreachable(spec: ModelSpec, resolved: ResolvedModel, exc: OSError) -> UserError:
     if resolved.kind != "hub":
-        return UserError(f"model.id: could not load {resolved.location!r}: {str(exc).splitlines()[0]}")
+        return UserError(f"model.id: could not load {resolved.location!r}: {_local_reason(exc)}")
+    return _not_available(spec)
+
+
+def _local_reason(exc: OSError) -> str:
+    """The loader's first line without its hub hints: for a local directory transformers
+    still suggests "Checkout 'https://huggingface.co//the/local/path/tree/main'", a bogus URL."""
+    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    kept = [s for s in re.split(r"(?<=\.)\s+", first) if "huggingface.co" not in s]
+    return " ".join(kept) or type(exc).__name__
+
+
+def _not_available(spec: ModelSpec, offline: str | None = None) -> UserError:
+    """A hub id found neither on the hub nor in the cache; `offline`: why the hub was not asked."""
     rev = f" at revision {spec.revision}" if spec.revision else ""
+    tried = f"the hub is unreachable ({offline}) and the local cache does not hold it" if offline else \
+        "tried hub and cache"
     return UserError(
         f"model.id: {spec.id!r}{rev} is neither a local path nor reachable on the Hugging Face hub "
-        f"or in its local cache; tried hub and cache. Offline? set model.id to a local checkpoint "
+        f"or in its local cache; {tried}. Offline? set model.id to a local checkpoint "
         f"directory or .gguf file (e.g. --set model.id=/path/to/model), or use a built-in alias: "
         f"{', '.join(BUILTIN_MODELS)}"
     )
