@@ -11,12 +11,12 @@ function tells the export matrix (benchmarks/export_matrix.py) which formats a r
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from quantlab.file_checks import read_json_object
 from quantlab.engine.sequential import is_ignored
 from quantlab.errors import UserError
 from quantlab.export.api import check_exportable
@@ -72,7 +72,7 @@ def declared_architecture(recipe: Recipe, model_dir: Path | None = None) -> str 
 
         cached = try_to_load_from_cache(spec.id, "config.json", revision=spec.revision)
         config = Path(cached) if isinstance(cached, str) else config
-    return json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    return read_json_object(config).get("model_type") if config.is_file() else None
 
 
 def check_architecture(recipe: Recipe, model_dir: Path | None = None) -> None:
@@ -118,7 +118,7 @@ def model_config(recipe: Recipe, model_dir: Path | None = None) -> tuple[dict[st
         config_file = _hub_config(recipe, download=model_dir is not None) or config_file
     if not config_file.is_file():
         return None
-    config = json.loads(config_file.read_text())
+    config = read_json_object(config_file)
     return (config, config_file.parent) if config.get("model_type") in ARCH_SPECS else None
 
 
@@ -139,7 +139,9 @@ def _hub_config(recipe: Recipe, download: bool) -> Path | None:
     cached = try_to_load_from_cache(spec.id, "config.json", revision=spec.revision)
     if isinstance(cached, str):
         return Path(cached)
-    if not download:
+    from quantlab.models.sources import hub_unreachable
+
+    if not download or hub_unreachable():  # offline: huggingface_hub would retry for ~47 s
         return None
     try:
         return Path(hf_hub_download(spec.id, "config.json", revision=spec.revision))

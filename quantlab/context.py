@@ -30,6 +30,7 @@ class RunContext:
     recipe: Recipe
     run: RunDir
     device: torch.device
+    preloaded_tokenizer: Any = None  # the one preflight loaded to count the data's tokens
     _cache: dict[str, Any] = field(default_factory=dict)
 
     @cached_property
@@ -39,6 +40,8 @@ class RunContext:
 
     @cached_property
     def tokenizer(self) -> Any:
+        if self.preloaded_tokenizer is not None:
+            return self.preloaded_tokenizer
         return sources.load_tokenizer(self.recipe.model, self.resolved)
 
     def float_model(self) -> torch.nn.Module:

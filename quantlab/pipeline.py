@@ -35,7 +35,7 @@ EVALUATION_KEYS = ("evaluate", "verify", "device")
 def run_recipe(recipe: Recipe, run_dir: Path | None = None, fixed: dict[str, str] | None = None) -> RunDir:
     """Run every stage of `recipe`; returns the run directory. Resumes a killed run. `fixed`:
     keys of finished stages to keep as they are (`evaluate_run`)."""
-    preflight(recipe)
+    tokenizer = preflight(recipe)
     device = pick_device(recipe.device)
     world = distributed.init_from_env(device.type)
     if world.active:
@@ -49,7 +49,7 @@ def run_recipe(recipe: Recipe, run_dir: Path | None = None, fixed: dict[str, str
     run = RunDir.open(run_dir or recipe.run_dir)
     try:
         write_text_atomic(run.path / "recipe.resolved.yaml", dump_recipe(recipe))
-        ctx = RunContext(recipe, run, device)
+        ctx = RunContext(recipe, run, device, tokenizer)
         run.manifest["model"] = {"id": recipe.model.id, **ctx.resolved.describe()}
         admit(recipe, Path(ctx.resolved.location))  # preflight skips a model not yet on disk
         if memory is None and not fixed:  # the config.json came with the model

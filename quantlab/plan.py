@@ -10,14 +10,14 @@ stage also hash quantlab's source (`rundir.code_fingerprint`), so other code rer
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from quantlab import stages
 from quantlab.admission import admit
-from quantlab.context import RunContext
-from quantlab.data.sources import check_source
+from quantlab.context import RunContext, pick_device
+from quantlab.data.sources import check_source, check_summary_pairs, check_token_supply
 from quantlab.formats import keeps_folded_weights
-from quantlab.models.sources import check_model_id
+from quantlab.models.sources import check_model_id, local_tokenizer
 from quantlab.recipe import Recipe, verify_dataset
 from quantlab.rundir import check_run_dir, code_fingerprint, content_key
 
@@ -31,13 +31,11 @@ class Stage:
     shareable: bool = False  # reads only the float model: a sibling run's finished copy will do
 
 
-def preflight(recipe: Recipe) -> None:
+def preflight(recipe: Recipe) -> Any | None:
     """Checks that need the filesystem (and at most one probe of the hub) but no downloads; done
-    before a run directory exists, so bad input is refused before anything is written."""
-    from quantlab.context import pick_device
-    from quantlab.data.sources import check_token_supply
-    from quantlab.models.sources import local_tokenizer
-
+    before a run directory exists, so bad input is refused before anything is written. Returns
+    the model's tokenizer when it was loaded to count the data's tokens (the run reuses it: a
+    large vocabulary takes seconds to load), else None."""
     check_run_dir(recipe.run_dir)
     pick_device(recipe.device)  # `device: cuda` on a machine without CUDA: refused here, not mid-run
     check_model_id(recipe.model)
@@ -50,7 +48,16 @@ def preflight(recipe: Recipe) -> None:
     if recipe.evaluate.rouge:
         check_source(recipe.evaluate.rouge.dataset, "evaluate.rouge.dataset")
     admit(recipe)
-    check_token_supply(recipe, lambda: local_tokenizer(recipe.model))  # local data, model on disk
+    if recipe.evaluate.rouge:
+        check_summary_pairs(recipe.evaluate.rouge.dataset, "evaluate.rouge.dataset")
+    loaded: list[Any] = []
+
+    def tokenizer() -> Any | None:
+        loaded.append(local_tokenizer(recipe.model))
+        return loaded[-1]
+
+    check_token_supply(recipe, tokenizer)  # local data, model on disk
+    return loaded[-1] if loaded else None
 
 
 def build_plan(recipe: Recipe, fixed: dict[str, str] | None = None) -> list[Stage]:

@@ -307,6 +307,7 @@ def test_group_size_is_checked_once_a_hub_models_config_arrives(tiny_model_dir, 
     raw["stages"][0]["rtn"]["weights"]["group_size"] = 128
     recipe = validate_recipe(raw)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda *a, **k: str(tiny_model_dir / "config.json"))
+    monkeypatch.setattr("quantlab.models.sources.hub_unreachable", lambda: None)  # as if online
     with pytest.raises(UserError, match=r"stages\.0\.rtn\.weights\.group_size: 128 exceeds the input width 64"):
         admit(recipe, Path(recipe.model.id))
 
@@ -397,23 +398,29 @@ def test_calibration_source_directory_is_named_a_directory(fake_model_dir, tmp_p
     assert "is a directory" in line and "not found" not in line
 
 
+def _short_eval(raw: dict, short: str) -> None:
+    raw["evaluate"]["perplexity"]["dataset"]["source"] = short
+
+
+def _short_calibration(raw: dict, short: str) -> None:
+    raw["calibration"]["dataset"]["source"] = short
+
+
+def _few_chunks(raw: dict, short: str) -> None:
+    raw["calibration"].update(strategy="concat_chunk", num_samples=4, dataset={"source": short})
+
+
 @pytest.mark.parametrize("mutate,field,needle", [
-    (_set("evaluate.perplexity.dataset.source", "SHORT"), "evaluate.perplexity.seq_len",
-     "fewer than one window of 64 tokens"),
-    (_set("calibration.dataset.source", "SHORT"), "calibration.seq_len", "fewer than one sample of 32 tokens"),
-    (_set("calibration.strategy", "concat_chunk"), "calibration.num_samples", "fewer than 4 windows of 32 tokens"),
+    (_short_eval, "evaluate.perplexity.seq_len", "fewer than one window of 64 tokens"),
+    (_short_calibration, "calibration.seq_len", "fewer than one sample of 32 tokens"),
+    (_few_chunks, "calibration.num_samples", "fewer than 4 windows of 32 tokens"),
 ])
 def test_too_little_data_is_found_in_preflight(mutate, field, needle, tiny_model_dir, tmp_path, monkeypatch) -> None:
     """Counted with the model's tokenizer before calibration, before any run directory exists."""
     short = tmp_path / "short.txt"
-    short.write_text("a few words only\n")
+    short.write_text("a few words\n")
     work = tmp_path / "work"
     work.mkdir()
     raw = good_recipe(tiny_model_dir)
-    mutate(raw)
-    if raw["calibration"]["strategy"] == "concat_chunk":
-        raw["calibration"]["dataset"]["source"] = str(short)
-        raw["calibration"]["num_samples"] = 4
-    for part in (raw["calibration"]["dataset"], raw["evaluate"]["perplexity"]["dataset"]):
-        part["source"] = str(short) if part["source"] == "SHORT" else part["source"]
+    mutate(raw, str(short))
     assert needle in _validate_and_run_refuse(raw, work, monkeypatch, field)

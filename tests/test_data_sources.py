@@ -164,3 +164,32 @@ def test_hub_names_fail_offline_with_a_local_file_hint(tmp_path: Path) -> None:
         assert message.startswith("calibration.dataset.source: could not load dataset")
         assert f"'{source}'" in message
         assert "point calibration.dataset.source at a local .txt/.jsonl/.json/.parquet file" in message
+
+
+def test_token_demands_cover_calibration_perplexity_and_verify() -> None:
+    """What preflight counts: each reader's minimum, BOS taking one token of each window."""
+    from quantlab.data.sources import token_demands
+    from quantlab.recipe import validate_recipe
+
+    data = {"source": "/data/eval.txt"}
+    recipe = validate_recipe({
+        "name": "t", "seed": 0, "model": {"id": "/m"},
+        "calibration": {"dataset": data, "num_samples": 4, "seq_len": 32, "strategy": "concat_chunk"},
+        "stages": [{"rtn": {}}], "evaluate": {"perplexity": {"dataset": data, "seq_len": 64}},
+        "verify": {"num_prompts": 3, "prompt_tokens": 10, "seq_len": 48}})
+    needs = {(field, d.field): d.tokens for _, field, d in token_demands(recipe, bos=True)}
+    assert needs == {("calibration.dataset", "calibration.num_samples"): 4 * 31,
+                     ("evaluate.perplexity.dataset", "evaluate.perplexity.seq_len"): 63,
+                     ("verify.dataset", "verify.num_prompts"): 30, ("verify.dataset", "verify.seq_len"): 47}
+
+
+def test_local_summary_file_without_its_fields_is_refused_in_preflight(tmp_path: Path) -> None:
+    from quantlab.data.sources import check_summary_pairs
+    from quantlab.recipe import SummaryDataSpec
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_text('{"body": "a text", "gist": "a summary"}\n')
+    with pytest.raises(UserError, match=r"^evaluate\.rouge\.dataset\.document_field: none of article"):
+        check_summary_pairs(SummaryDataSpec(source=str(path)), "evaluate.rouge.dataset")
+    check_summary_pairs(SummaryDataSpec(source=str(path), document_field="body", reference_field="gist"),
+                        "evaluate.rouge.dataset")

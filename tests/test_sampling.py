@@ -124,3 +124,26 @@ def test_perplexity_windows_with_bos_score_every_stream_token(docs, bos_tokenize
     assert windows.shape == (3, 48) and (windows[:, 0] == bos).all()
     assert torch.equal(windows[:, 1:].flatten(), stream[: 3 * 47])  # consecutive, none skipped
     assert torch.equal(windows_of(stream, 48, 3), stream[: 3 * 48].view(3, 48))
+
+
+def test_overlapping_random_windows_warn_in_one_line_and_sample_as_before(docs, tokenizer, capsys) -> None:
+    """64 × 100 tokens from a few hundred: allowed (same windows as without the warning), but said."""
+    few = docs[:8]
+    have = tokenize_joined(few, tokenizer).numel()
+    assert 100 < have < 64 * 100
+    calib = sample(few, tokenizer, spec("random_windows", num_samples=64, seq_len=100), seed=0)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"need 6400 tokens but the data has {have}" in err, err
+    stream = tokenize_joined(few, tokenizer)
+    starts = torch.randint(0, have - 100, (64,), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(calib.input_ids, torch.stack([stream[s: s + 100] for s in starts.tolist()]))
+    sample(docs, tokenizer, spec("random_windows"), seed=0)
+    assert capsys.readouterr().err == ""  # enough data: no warning
+
+
+def test_tokens_at_least_is_exact_below_the_need(docs, tokenizer) -> None:
+    from quantlab.data.sampling import tokens_at_least
+
+    total = tokenize_joined(docs, tokenizer).numel()
+    assert tokens_at_least(docs, tokenizer, total + 1) == total  # not enough: the exact count
+    assert tokens_at_least(docs, tokenizer, 100) >= 100  # enough: counted on a prefix only

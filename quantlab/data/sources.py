@@ -173,6 +173,14 @@ def load_summary_pairs(spec: SummaryDataSpec, field: str) -> tuple[list[tuple[st
     return pairs, {"document_field": doc, "reference_field": ref, "split": None if is_local(spec.source) else split}
 
 
+def check_summary_pairs(spec: SummaryDataSpec, field: str) -> None:
+    """Read a local summarization file in preflight: its records and document / reference
+    fields are otherwise first looked at after calibrating and quantizing. Hub sources are left
+    to the run (a download)."""
+    if spec.source not in shortcuts() and is_local(spec.source):
+        load_summary_pairs(spec, field)
+
+
 def _pick_field(named: str | None, candidates: tuple[str, ...], columns: list[str], field: str, source: str) -> str:
     if named is not None:
         if named not in columns:

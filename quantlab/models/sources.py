@@ -5,7 +5,8 @@ Forms of `model.id`, tried in this order:
   * `modelscope:<org>/<name>` (needs the `modelscope` extra),
   * an existing local directory (Hugging Face layout) or `.gguf` file,
   * a Hugging Face hub id, optionally with `revision`, read from the local HF cache when the
-    hub is unreachable (`HF_HUB_OFFLINE=1`).
+    hub is unreachable (`HF_HUB_OFFLINE=1`, or one probe of the hub failing within seconds:
+    `hub_unreachable`); not in the cache either, it is refused before the run starts.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -131,16 +131,22 @@ def hub_unreachable(endpoint: str | None = None) -> str | None:
     return _probe(endpoint or constants.ENDPOINT)
 
 
-@cache
+_ANSWERED: set[str] = set()  # endpoints that answered once in this process: not asked again
+
+
 def _probe(endpoint: str) -> str | None:
     """One HEAD request to `endpoint` through huggingface_hub's session (its proxies and
-    headers); any HTTP answer, even an error status, means reachable. Once per process."""
+    headers); any HTTP answer, even an error status, means reachable. A failure is not
+    remembered: a long-lived process (a notebook) may come online later."""
     from huggingface_hub.utils import get_session
 
+    if endpoint in _ANSWERED:
+        return None
     try:
         get_session().head(endpoint, timeout=PROBE_TIMEOUT_S, follow_redirects=False)
     except Exception as exc:  # connection refused, DNS failure, timeout, proxy error: all unreachable
         return f"no answer from {endpoint} within {PROBE_TIMEOUT_S:g} s: {type(exc).__name__}"
+    _ANSWERED.add(endpoint)
     return None
 
 
@@ -231,6 +237,9 @@ def load_tokenizer(spec: ModelSpec, resolved: ResolvedModel) -> Any:
         raise _unreachable(spec, resolved, exc) from None
 
 
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
 def local_tokenizer(spec: ModelSpec) -> Any | None:
     """The tokenizer of a model already on disk (a checkpoint directory, or a built-in alias
     whose float copy is made), for preflight's data checks; None where only a download, a GGUF
@@ -242,15 +251,15 @@ def local_tokenizer(spec: ModelSpec) -> Any | None:
     else:
         path = Path(spec.id).expanduser()
         directory = path if looks_local(spec.id) and (path / "config.json").is_file() else None
-    if directory is None:
-        return None
+    if directory is None or not any((directory / name).is_file() for name in VOCABULARY_FILES):
+        return None  # transformers would make an empty tokenizer: counts from it mean nothing
     from transformers.utils import logging
 
     verbosity = logging.get_verbosity()
     logging.set_verbosity_error()  # preflight prints one line or nothing
     try:
         return load_tokenizer(spec, ResolvedModel("local", str(directory), None, None))
-    except Exception:  # no tokenizer files, a broken one: loading the model reports it
+    except Exception:  # a broken tokenizer: loading the model reports it
         return None
     finally:
         logging.set_verbosity(verbosity)
