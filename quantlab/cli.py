@@ -163,9 +163,10 @@ def validate(recipe: Annotated[str, typer.Argument(help="recipe YAML file or shi
 
     loaded = load_recipe(recipe_path(recipe), set_)
     preflight(loaded)
-    from quantlab.memory_plan import announce, device_here
+    from quantlab.context import pick_device
+    from quantlab.memory_plan import announce
 
-    announce(loaded, device_here(loaded), say=typer.echo)
+    announce(loaded, pick_device(loaded.device), say=typer.echo)  # preflight refused a missing one
     stages = " → ".join(s.name for s in build_plan(loaded))
     typer.echo(f"ok: {loaded.name} (model {loaded.model.id}; {stages}; run dir {loaded.run_dir})")
 

@@ -693,17 +693,6 @@ def _has_safetensors(directory: Path) -> bool:
     return (directory / "model.safetensors").is_file() or (directory / INDEX).is_file()
 
 
-def device_here(recipe: Recipe) -> torch.device | None:
-    """The device a run of `recipe` would compute on here; None where it has none (a cuda
-    recipe validated on a machine without CUDA)."""
-    from quantlab.context import pick_device
-
-    try:
-        return pick_device(recipe.device)
-    except UserError:
-        return None
-
-
 def announce(recipe: Recipe, device: torch.device | None, model_dir: Path | None = None,
              say: Callable[[str], None] | None = None, note: bool = True) -> MemoryPlan | None:
     """Estimate the recipe's memory, refuse it in one line when it does not fit `device` (None:
