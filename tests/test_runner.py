@@ -374,8 +374,8 @@ def test_decode_benchmark_smoke(tmp_path):
     spec = importlib.util.spec_from_file_location("decode_bench", REPO / "benchmarks" / "decode.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    bench.main(["--tiny", "--schemes", "hf-bf16,bf16,w4a16,fp8,w4a16-head", "--batches", "2", "--repeats", "1",
-                "--new-tokens", "4", "--out", str(tmp_path)])
+    bench.main(["--tiny", "--schemes", "hf-bf16,bf16,w4a16,fp8,w4a16-head", "--batches", "2", "--prompts", "16",
+                "--repeats", "1", "--new-tokens", "4", "--out", str(tmp_path)])
     res = json.loads((tmp_path / "decode_cpu_tiny.json").read_text())
     assert [r["scheme"] for r in res["rows"]] == ["hf-bf16", "bf16", "w4a16", "fp8", "w4a16-head"]
     assert all(r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["batch"] == 2 for r in res["rows"])
@@ -419,3 +419,80 @@ def test_lm_head_recipe_refuses_exports_that_keep_it_float():
     assert validate_recipe({**raw, "export": ["compressed-tensors", "gptq"]}).stages[0].rtn.lm_head
     with pytest.raises(UserError, match=r"stages\[0\]\.awq\.lm_head: .*unknown key"):
         validate_recipe({**raw, "stages": [{"awq": {"lm_head": True}}]})
+
+
+def _decode_bench():
+    import importlib.util
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("decode_bench", REPO / "benchmarks" / "decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_decode_benchmark_prompts_oom_roofline_and_prefill_profile(tmp_path, monkeypatch):
+    """decode.py over prompt lengths × batches: a combination that runs out of memory is
+    recorded as not reached and the run goes on; the decode rows carry the HBM roofline
+    fraction; --profile-prefill groups one prefill's ops by kind; the bars are per (prompt,
+    batch) and count a scheme not reached as not met."""
+    bench = _decode_bench()
+    real = bench.time_runner
+
+    def time_runner(model, prompts, *a, **kw):
+        if prompts.shape == (1, 12) and type(model.model.layers[0].mlp.down_proj).__name__ == "W8A8Linear":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.99 GiB")
+        return real(model, prompts, *a, **kw)
+
+    monkeypatch.setattr(bench, "time_runner", time_runner)
+    bench.main(["--tiny", "--schemes", "bf16,w8a8", "--prompts", "8,12", "--batches", "1,2", "--repeats", "1",
+                "--new-tokens", "3", "--hbm-tbps", "0.001", "--profile-prefill", "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "decode_cpu_tiny.json").read_text())
+    got = {(r["scheme"], r["prompt_len"], r["batch"]): r for r in res["rows"]}
+    assert len(got) == 8 and res["hbm_tbps"] == 0.001
+    oom = got[("w8a8", 12, 1)]
+    assert oom["status"] == "not reached (OOM)" and oom["decode_tok_s"] is None
+    for key, r in got.items():
+        if key != ("w8a8", 12, 1):
+            assert r["status"] == "ok" and r["prefill_tok_s"] > 0
+            steps_s = r["decode_tok_s"] / r["batch"]
+            kv = bench.kv_bytes(bench.qwen2_config(bench.parse(["--tiny"])), r["batch"], r["prompt_len"] + 1, 4)
+            assert r["kv_gb_per_step"] == pytest.approx(kv / 1e9)
+            assert r["hbm_roofline"] == pytest.approx((r["weight_gb"] + r["kv_gb_per_step"]) * 1e9 * steps_s / 0.001e12)
+    bars = {(b["scheme"], b["prompt_len"], b["batch"], b["bar"]): b for b in res["bars"]}
+    assert set(bars) == {("w8a8", p, 1, need) for p in (8, 12) for need in (1.0, 1.5)}
+    assert bars[("w8a8", 12, 1, 1.5)]["met"] is False and bars[("w8a8", 12, 1, 1.5)]["note"] == "not reached (OOM)"
+    assert bars[("w8a8", 8, 1, 1.0)]["ratio"] == pytest.approx(got[("w8a8", 8, 1)]["decode_tok_s"]
+                                                              / got[("bf16", 8, 1)]["decode_tok_s"])
+    profiles = {p["scheme"]: p for p in res["prefill_profiles"]}
+    assert set(profiles) == {"bf16", "w8a8"} and all(p["prompt_len"] == 8 and p["batch"] == 1 for p in profiles.values())
+    assert profiles["bf16"]["kinds"]["gemm"]["ms"] > 0 and profiles["bf16"]["kinds"]["act quant"]["launches"] == 0
+    assert profiles["w8a8"]["kinds"]["act quant"]["launches"] > 0 and profiles["w8a8"]["kinds"]["attention"]["launches"] > 0
+    md = (tmp_path / "decode_cpu_tiny.md").read_text()
+    assert "| w8a8 | 1 | 12 | not reached (OOM) |" in md and "## Prefill profile: prompt 8, batch 1" in md
+    assert "| w8a8 decode vs bf16 | issue | 12 | 1 | — | ≥ 1.5× | **not met** (not reached (OOM)) |" in md
+
+
+def test_decode_benchmark_bars_and_hbm_table():
+    """The issue's bars at the prompts and batches they name; the roofline's device table."""
+    import re
+
+    bench = _decode_bench()
+
+    def row(scheme, p, b, prefill, decode):
+        return {"scheme": scheme, "prompt_len": p, "batch": b, "prefill_tok_s": prefill, "decode_tok_s": decode}
+
+    rows = [row("bf16", 512, 16, 100.0, 10.0), row("w8a8", 512, 16, 140.0, 12.0), row("w4a16", 512, 16, 99.0, 19.0),
+            row("bf16", 256, 16, 100.0, 10.0), row("w8a8", 256, 16, 100.0, 10.0)]
+    got = {(b["scheme"], b["kind"], b["prompt_len"], b["bar"]): (b["met"], round(b["ratio"], 2))
+           for b in bench.bars(rows)}
+    assert got == {("w8a8", "prefill", 512, 1.3): (True, 1.4), ("w4a16", "prefill", 512, 1.0): (False, 0.99),
+                   ("w8a8", "decode", 512, 1.0): (True, 1.2), ("w4a16", "decode", 512, 1.0): (True, 1.9),
+                   ("w4a16", "decode", 512, 1.8): (True, 1.9), ("w8a8", "decode", 256, 1.0): (True, 1.0)}
+    assert [t for pattern, t in bench.HBM_TBPS if re.search(pattern, "NVIDIA H200")][0] == 4.8
+    assert [t for pattern, t in bench.HBM_TBPS if re.search(pattern, "NVIDIA GH200 480GB")][0] == 4.0
+    assert [t for pattern, t in bench.HBM_TBPS if re.search(pattern, "NVIDIA H100 80GB HBM3")][0] == 3.35
+    # batch 64 × (2048 + 128) positions of the 7B shape: 8.0 GB of bf16 K/V, well within an H200
+    assert bench.kv_bytes(bench.qwen2_config(bench.parse([])), 64, 2176, 2) == 28 * 2 * 64 * 4 * 2176 * 128 * 2
+
