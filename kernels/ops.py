@@ -251,8 +251,27 @@ def w8a8_mm(xq: torch.Tensor, sx: torch.Tensor, p: PackedW8A8,
 def fp8_mm(xq: torch.Tensor, sx: torch.Tensor, p: PackedFP8,
            out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     if use_triton(xq, (9, 0)) and xq.shape[1] % 16 == 0:
+        from quantlab.kernels.triton_scaled import SMALL_M
+
+        if xq.shape[0] > SMALL_M and out_dtype == torch.bfloat16 and not interpret_mode():
+            return cublas_fp8_mm(xq, sx, p)
         return _scaled_mm(xq, sx, p.w, p.scale, None, out_dtype)
     return reference.fp8_mm(xq, sx, p, out_dtype)
+
+
+def cublas_fp8_mm(xq: torch.Tensor, sx: torch.Tensor, p: PackedFP8) -> torch.Tensor:
+    """FP8 × FP8 → bf16 above the small-M sizes: cuBLASLt's row-wise scaled GEMM
+    (`torch._scaled_mm`, fp32 accumulation). On the H200 at M = 4096 its replayed time is
+    within 7 % of the autotuned Triton / Gluon kernels' on Qwen2-7B's shapes (faster on two),
+    its error against the reference 3× smaller, and eagerly it costs no dispatch: qwen_qkv
+    82 µs eager against their 197, qwen_kv 19 against 154 (`benchmarks/results/gemm_nvidia_h200.md`)
+    — an eager prefill waits on the host for most of its wall time (`benchmarks/decode.py
+    --profile-prefill`). Small M keeps the split-K kernels, which read the weight at full
+    bandwidth."""
+    m, n = xq.shape[0], p.w.shape[0]
+    scale_a = sx.float().reshape(-1, 1).expand(m, 1).contiguous()
+    scale_b = p.scale.float().reshape(1, -1).expand(1, n).contiguous()
+    return torch._scaled_mm(xq, p.w.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
 
 
 def w8a8_linear(x: torch.Tensor, p: PackedW8A8, bias: torch.Tensor | None = None) -> torch.Tensor:

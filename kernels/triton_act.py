@@ -1,17 +1,19 @@
-"""Triton kernel for int8 activation quantization, row by row (per-token dynamic scales, or one
-static scale): the W8A8 Linears' input in one launch instead of the seven or so torch ops of
-`quantlab.runner.codes` (abs, amax, divide, clamp, round, clamp, cast: 116 µs of host time per
-Linear at M = 512 on the H200 machine, where an eager prefill is host-bound). Imported lazily:
-needs triton.
+"""Triton kernel for 8-bit activation quantization, row by row (per-token dynamic scales, or one
+static scale): the W8A8 and FP8 Linears' input in one launch instead of the seven to nine torch
+ops of `quantlab.runner.codes` (abs, amax, divide, clamp, round or cast: 116 µs of host time
+per Linear at M = 512 on the H200 machine, where an eager prefill is host-bound; for FP8 the
+torch ops were 39 % of a 512-token prefill's kernel time, `benchmarks/decode.py
+--profile-prefill`). Imported lazily: needs triton.
 
 The codes and scales are bit-identical to the torch path on the same device — what fake
 quantization measured there: `s = max(absmax / 127, 1e-10)`, which torch computes as an IEEE
 division on the CPU but as a multiply by the float32 reciprocal on CUDA (a tensor divided by a
 Python scalar; 4.5% of random absmax values get another last bit), then `x / s` in IEEE float32
 (`div_rn`; Triton's `/` is the approximate `div.full.f32`), rounded half to even (adding and
-subtracting 1.5·2²³, exact for |y| < 2²²) and clamped to [−128, 127]. FP8 inputs stay on the torch ops: the Triton 3.9
-interpreter's float32 → e4m3 cast is wrong (−128 came out as −64), so CI could not check a
-Triton FP8 path.
+subtracting 1.5·2²³, exact for |y| < 2²²) and clamped to [−128, 127]. FP8 codes are `x / s`
+clamped to ±448 and cast to e4m3 with round-to-nearest-even, as torch's CUDA cast does; the
+Triton interpreter's float32 → e4m3 cast is wrong (−128 came out as −64), so the FP8 kernel is
+used, and checked bit-identical, on GPUs only (tests/test_kernels.py).
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ import triton.language as tl
 
 RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5·2^23: y + M − M rounds y to an integer, half to even
 INV_127 = tl.constexpr(float(np.float32(1.0) / np.float32(127.0)))  # torch CUDA's `t / 127.0`
+INV_448 = tl.constexpr(float(np.float32(1.0) / np.float32(448.0)))  # and `t / 448.0`
 BLOCK = 1024
 
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, absmax_ptr, K, stride_x, stride_q,
-                          STATIC: tl.constexpr, RECIP: tl.constexpr, BLOCK: tl.constexpr):
+                          STATIC: tl.constexpr, RECIP: tl.constexpr, FP8: tl.constexpr, BLOCK: tl.constexpr):
     """One row per program: its absmax (or the static one), the scale, then the codes."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -41,7 +44,12 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, absmax_ptr, K, stride_x, stride_q
             v = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(v))
         amax = tl.max(amax, axis=0)
-    if RECIP:
+    if FP8:
+        if RECIP:
+            scale = tl.maximum(amax * INV_448, 1e-10)
+        else:
+            scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1e-10)
+    elif RECIP:
         scale = tl.maximum(amax * INV_127, 1e-10)
     else:
         scale = tl.maximum(tl.math.div_rn(amax, 127.0), 1e-10)
@@ -53,21 +61,28 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, absmax_ptr, K, stride_x, stride_q
     for k0 in range(0, K, BLOCK):
         mask = k0 + offs < K
         v = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-        r = (tl.math.div_rn(v, scale) + RNE_MAGIC) - RNE_MAGIC
-        code = tl.minimum(tl.maximum(r, -128.0), 127.0).to(tl.int8)
+        if FP8:
+            y = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0)
+            code = y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+        else:
+            r = (tl.math.div_rn(v, scale) + RNE_MAGIC) - RNE_MAGIC
+            code = tl.minimum(tl.maximum(r, -128.0), 127.0).to(tl.int8)
         tl.store(q_ptr + row * stride_q + k0 + offs, code, mask=mask)
 
 
-def quantize_rows_int8(x: torch.Tensor,
-                       absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`x [M, K]` (M > 0) → int8 codes `[M, K]` and float32 scales: `[M]` from each row's
-    absmax, or `[1]` from the static `absmax`."""
+CODES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
+def quantize_rows(x: torch.Tensor, kind: str = "int8",
+                  absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x [M, K]` (M > 0) → int8 or FP8 e4m3 codes `[M, K]` and float32 scales: `[M]` from
+    each row's absmax, or `[1]` from the static `absmax`."""
     assert x.dim() == 2 and x.stride(1) == 1 and x.shape[0] > 0
     m, k = x.shape
     static = absmax is not None
-    q = torch.empty(m, k, dtype=torch.int8, device=x.device)
+    q = torch.empty(m, k, dtype=CODES[kind], device=x.device)
     s = torch.empty(1 if static else m, dtype=torch.float32, device=x.device)
     _quantize_rows_kernel[(m,)](x, q, s, absmax if static else s, k, x.stride(0), q.stride(0),
-                                STATIC=static, RECIP=x.is_cuda,
+                                STATIC=static, RECIP=x.is_cuda, FP8=kind == "fp8",
                                 BLOCK=min(BLOCK, triton.next_power_of_2(k)), num_warps=4)
     return q, s

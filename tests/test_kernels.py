@@ -1283,7 +1283,7 @@ def test_int8_activation_quant_kernel_is_bit_identical(static, dtype):
     """The one-launch int8 activation quantization gives the torch path's codes and scales
     exactly: rows longer than a block (1500 > 1024), an all-zero row, and exact ties (a row
     whose absmax is 127 has scale 1, so x.5 must round half to even)."""
-    from quantlab.kernels.triton_act import quantize_rows_int8
+    from quantlab.kernels.triton_act import quantize_rows
     from quantlab.runner.codes import InputQuant
 
     g = torch.Generator().manual_seed(0)
@@ -1294,7 +1294,47 @@ def test_int8_activation_quant_kernel_is_bit_identical(static, dtype):
     x = x.to(dtype).to(DEV)
     act = InputQuant("int8", not static, torch.tensor([5.0], device=DEV) if static else None)
     want_q, want_s = act.quantize_torch(x)
-    q, s = quantize_rows_int8(x, act.absmax)
+    q, s = quantize_rows(x, "int8", act.absmax)
     assert torch.equal(s, want_s) and torch.equal(q, want_q)
     q2, s2 = act.quantize(x)  # the kernel on a GPU, the torch ops on the CPU
     assert torch.equal(q2, q) and torch.equal(s2, s)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton interpreter's float32 → e4m3 cast is wrong")
+@pytest.mark.parametrize("static", [False, True])
+def test_fp8_activation_quant_kernel_is_bit_identical(static):
+    """The one-launch FP8 activation quantization gives the torch path's e4m3 codes and scales
+    exactly on a GPU: long rows, a zero row, values past ±448·s (saturated) and exact e4m3
+    rounding ties."""
+    from quantlab.kernels.triton_act import quantize_rows
+    from quantlab.runner.codes import InputQuant
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 1500, generator=g) * 3
+    x[1] = 0
+    x[2, :6] = torch.tensor([448.0, 17.0, 19.0, 4.25, -4.75, -0.0068359375])  # scale 1: e4m3 ties
+    x[2, 6:] = 0
+    x = x.to(torch.bfloat16).cuda()
+    act = InputQuant("fp8", not static, torch.tensor([2.0], device="cuda") if static else None)
+    want_q, want_s = act.quantize_torch(x)
+    q, s = quantize_rows(x, "fp8", act.absmax)
+    assert torch.equal(s, want_s) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    q2, s2 = act.quantize(x)  # the kernel, through the runner's dispatch
+    assert torch.equal(s2, s) and torch.equal(q2.view(torch.uint8), q.view(torch.uint8))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="cuBLASLt's row-wise scaled FP8 GEMM needs sm_90")
+@pytest.mark.parametrize("per_tensor_input", [False, True])
+def test_large_m_fp8_gemm_through_cublas_matches_the_reference(per_tensor_input):
+    """Above the small-M sizes the FP8 Linear runs through torch._scaled_mm: the same product
+    as the reference up to fp32 summation order (per-token or per-tensor input scales)."""
+    g = torch.Generator().manual_seed(0)
+    qw = quantize_weight(torch.randn(256, 512, generator=g), WeightScheme(type="float", bits=8, group_size=None))
+    p = layout.pack_fp8(QuantizedWeight(qw.codes.cuda(), qw.scales.cuda(), qw.zeros.cuda(), qw.g_idx.cuda(),
+                                        qw.scheme))
+    x = torch.randn(128, 512, generator=g).cuda()
+    xq, sx = reference.quantize_act_fp8(x, per_row=not per_tensor_input)
+    y = ops.fp8_mm(xq, sx, p, torch.bfloat16)
+    want = reference.fp8_mm(xq, sx, p, torch.float32)
+    assert y.dtype == torch.bfloat16 and rel_err(y, want) < TOL[torch.bfloat16]
