@@ -67,7 +67,8 @@ def declared_architecture(recipe: Recipe, model_dir: Path | None = None) -> str 
     config = path / "config.json"
     if not config.is_file() and spec.id in BUILTIN_MODELS:
         config = float_checkpoint_dir(spec.id) / "config.json"
-    if not config.is_file() and not path.exists() and spec.id not in BUILTIN_MODELS:
+    if not config.is_file() and not path.exists() and spec.id not in BUILTIN_MODELS \
+            and not spec.id.startswith("modelscope:"):
         from huggingface_hub import try_to_load_from_cache
 
         cached = try_to_load_from_cache(spec.id, "config.json", revision=spec.revision)

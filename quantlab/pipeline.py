@@ -78,8 +78,8 @@ def run_recipe(recipe: Recipe, run_dir: Path | None = None, fixed: dict[str, str
             stage.run(ctx)
             run.record(stage.name, stage.key, list(stage.outputs), time.perf_counter() - start)
     except BaseException:
-        if run.created_now and not run.any_done:
-            shutil.rmtree(run.path, ignore_errors=True)  # nothing worth resuming: leave no trace
+        if run.created is not None and not run.any_done:
+            shutil.rmtree(run.created, ignore_errors=True)  # nothing worth resuming: leave no trace
         raise
     console.print(f"[green]done[/green]: {run.path}/reports/report.md")
     return run

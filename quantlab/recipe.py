@@ -43,6 +43,21 @@ class Strict(BaseModel):
         return value
 
 
+# Linux's PATH_MAX and NAME_MAX: a longer model id, data source or output dir fails in the first
+# os.stat with ENAMETOOLONG (an OSError far from the recipe), so it is refused here by name.
+MAX_PATH_BYTES, MAX_NAME_BYTES = 4096, 255
+
+
+def _path_text(value: Any) -> Any:
+    """A path or hub id the filesystem can look up: at most 4096 bytes, 255 per `/` part."""
+    if isinstance(value, str):
+        raw = value.encode("utf-8", "surrogatepass")
+        if len(raw) > MAX_PATH_BYTES or any(len(part) > MAX_NAME_BYTES for part in raw.split(b"/")):
+            raise ValueError(f"too long for a path or id ({len(raw)} bytes): at most {MAX_PATH_BYTES} bytes, "
+                             f"{MAX_NAME_BYTES} per /-separated name")
+    return value
+
+
 def _has_surrogate(text: str) -> bool:
     try:
         text.encode("utf-8")
@@ -63,6 +78,11 @@ class ModelSpec(Strict):
         "read a checkpoint stored only as pickle (.bin / .pt, through torch.load(weights_only=True)); "
         "off: safetensors (or GGUF) only, since unpickling can run code"))
 
+    @field_validator("id", "revision", "gguf_file")
+    @classmethod
+    def _paths(cls, value: Any) -> Any:
+        return _path_text(value)
+
 
 class DatasetSpec(Strict):
     """A text source: a shortcut name, a `datasets` hub id, `modelscope:` id or a local file."""
@@ -73,6 +93,11 @@ class DatasetSpec(Strict):
     text_field: str = "text"
     format: Literal["text", "chat"] = "text"
     max_documents: int | None = Field(default=None, gt=0, le=10**9)
+
+    @field_validator("source")
+    @classmethod
+    def _paths(cls, value: Any) -> Any:
+        return _path_text(value)
 
 
 class CalibrationSpec(Strict):
@@ -280,6 +305,11 @@ class SummaryDataSpec(Strict):
     reference_field: str | None = Field(default=None, description="null = the shortcut's, or the first of "
                                         "highlights, summary, reference, target, abstract present")
 
+    @field_validator("source")
+    @classmethod
+    def _paths(cls, value: Any) -> Any:
+        return _path_text(value)
+
 
 class RougeSpec(Strict):
     """Summaries generated greedily by the float and the quantized model on the same prompts,
@@ -335,7 +365,13 @@ class VerifySpec(Strict):
 
 
 class OutputSpec(Strict):
-    dir: str | None = Field(default=None, description="run directory; default runs/<name>")
+    # min_length: an empty dir would silently mean the default, runs/<name>; null says that
+    dir: str | None = Field(default=None, min_length=1, description="run directory; null = runs/<name>")
+
+    @field_validator("dir")
+    @classmethod
+    def _paths(cls, value: Any) -> Any:
+        return _path_text(value)
 
 
 class Recipe(Strict):

@@ -163,7 +163,7 @@ def runs_root() -> Path | None:
 class RunDir:
     def __init__(self, path: Path):
         self.path = path
-        self.created_now = False
+        self.created: Path | None = None  # the outermost directory `open` created (None: it existed)
         # `damaged`: why manifest.json could not be used (then no stage counts as done, and the
         # file is rewritten as stages finish); None when it was absent or sound.
         self.manifest, self.damaged = load_manifest(path / MANIFEST)
@@ -171,14 +171,14 @@ class RunDir:
     @classmethod
     def open(cls, path: Path) -> "RunDir":
         check_run_dir(path)
-        existed = path.exists()
+        created = next((p for p in reversed([path, *path.parents]) if not p.exists()), None)
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise UserError(f"output.dir: cannot create {str(path)!r} ({exc.strerror or type(exc).__name__}); "
                             "give a writable directory") from None
         rd = cls(path)
-        rd.created_now = not existed
+        rd.created = created
         rd.manifest.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%S"))
         rd.manifest["versions"] = _versions()
         rd.save()  # first: a directory killed at any later moment is recognisably a run and resumes

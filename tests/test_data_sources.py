@@ -125,9 +125,21 @@ def test_chat_without_template_or_conversation_fields(tmp_path: Path, tokenizer,
         load_documents(DatasetSpec(source=str(path), format="chat"), "calibration.dataset", chat_tokenizer)
 
 
-def test_check_source_before_a_run(tmp_path: Path) -> None:
+def test_check_source_before_a_run(tmp_path: Path, monkeypatch) -> None:
     check_source(DatasetSpec(source=str(C4)), "calibration.dataset")  # exists: fine
-    check_source(DatasetSpec(source="wikitext2"), "calibration.dataset")  # shortcut: checked at load
+    import datasets
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf" / "datasets")  # empty caches
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.setattr("quantlab.models.sources.hub_unreachable", lambda: None)
+    check_source(DatasetSpec(source="wikitext2"), "calibration.dataset")  # a reachable hub: loaded later
+    monkeypatch.setattr("quantlab.models.sources.hub_unreachable", lambda: "HF_HUB_OFFLINE is set")
+    for source in ("wikitext2", "some-org/some-dataset"):  # offline and not cached: refused at once
+        with pytest.raises(UserError, match=r"^calibration\.dataset\.source: .* hub is unreachable"):
+            check_source(DatasetSpec(source=source), "calibration.dataset")
+    (tmp_path / "hf" / "datasets" / "some-org___some-dataset").mkdir(parents=True)
+    check_source(DatasetSpec(source="some-org/some-dataset"), "calibration.dataset")  # cached: fine
     with pytest.raises(UserError, match=r"^evaluate\.perplexity\.dataset\.source: file .* not found"):
         check_source(DatasetSpec(source=str(tmp_path / "nope.jsonl")), "evaluate.perplexity.dataset")
     odd = tmp_path / "data.csv"

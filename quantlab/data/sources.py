@@ -39,8 +39,12 @@ def is_local(source: str) -> bool:
 
 
 def check_source(spec: DatasetSpec | SummaryDataSpec, field: str) -> None:
-    """Checks done before a run starts: a local file must exist and have a known suffix."""
-    if spec.source in shortcuts() or spec.source.startswith("modelscope:") or not is_local(spec.source):
+    """Checks done before a run starts: a local file must exist and have a known suffix; a hub
+    dataset must be reachable or in the local cache."""
+    if spec.source.startswith("modelscope:"):
+        return
+    if spec.source in shortcuts() or not is_local(spec.source):
+        _check_hub_dataset(spec.source, field)
         return
     path = Path(spec.source).expanduser()
     if path.is_dir():
@@ -54,6 +58,29 @@ def check_source(spec: DatasetSpec | SummaryDataSpec, field: str) -> None:
         raise UserError(f"{field}.source: {spec.source!r} has suffix {path.suffix!r}; "
                         f"local files must be one of {', '.join(sorted(LOCAL_SUFFIXES))}")
     check_head(path, f"{field}.source")
+
+
+def _check_hub_dataset(source: str, field: str) -> None:
+    """A hub dataset (or a shortcut to one) when the hub does not answer: refused at once
+    unless a local cache holds it, instead of the ~47 s of retries `datasets` makes before its
+    error, after the run directory exists."""
+    from quantlab.models.sources import hub_unreachable
+
+    repo = shortcuts().get(source, {}).get("path", source)
+    why = hub_unreachable()
+    if why and not _dataset_cached(repo):
+        raise UserError(f"{field}.source: {source!r} is not a local file and the dataset hub is unreachable "
+                        f"({why}); give a local {'/'.join(sorted(LOCAL_SUFFIXES))} file")
+
+
+def _dataset_cached(repo: str) -> bool:
+    """Whether the Hugging Face hub cache or the `datasets` cache holds some copy of `repo`."""
+    import datasets
+    from huggingface_hub import constants
+
+    hub = Path(constants.HF_HUB_CACHE) / f"datasets--{repo.replace('/', '--')}"
+    prepared = Path(datasets.config.HF_DATASETS_CACHE) / repo.replace("/", "___")
+    return hub.is_dir() or prepared.is_dir()
 
 
 HEAD_BYTES = 1 << 16  # what preflight reads of a local data file
@@ -81,7 +108,7 @@ def check_head(path: Path, field: str) -> None:
         first = next((line for line in text.splitlines() if line.strip()), "")
         try:
             record = json.loads(first)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: `[[[…` nested past the parser's stack
             record = None
         if not isinstance(record, dict):
             raise UserError(f"{field}: {str(path)!r} line 1 is not a JSON object; JSON Lines hold one object per line")
@@ -223,6 +250,8 @@ def _local_records(path: Path, field: str) -> Iterable[dict[str, Any]]:
     import datasets
 
     builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(path.suffix, "text")
+    datasets.disable_progress_bars()  # a damaged file's error must be the only line on stderr
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its reader logs the failure too
     try:
         return datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as exc:  # datasets wraps parser errors in many types (DatasetGenerationError, …)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect as _inspect
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Iterator
 
 from quantlab.errors import UserError
 from quantlab.export.checks import Report
@@ -57,18 +58,31 @@ def check_exportable(src: Canonical, fmt: str) -> tuple[ModuleType, dict[str, An
     return module, options
 
 
+@contextlib.contextmanager
+def malformed_configs(path: Path) -> Iterator[None]:
+    """An export's JSON of the right syntax but the wrong shape (a `quantization_config` that is
+    a string, a config.json that is a list) makes the family readers index into the wrong
+    type: one line naming the export instead of their AttributeError or TypeError."""
+    try:
+        yield
+    except (AttributeError, TypeError, KeyError, IndexError) as exc:
+        raise UserError(f"{path}: a config file of this export does not have the layout its format "
+                        f"defines ({type(exc).__name__}: {str(exc)[:80]}); the export is damaged") from None
+
+
 def detect(path: Path) -> str:
     """The export family of a directory (or .gguf file), or 'canonical'."""
     if not path.exists():
         raise UserError(f"{path}: no such file or directory")
     side = read_sidecar(path) if path.is_dir() else None
-    if side and side.get("format", "").startswith("gguf"):
+    if side and str(side.get("format", "")).startswith("gguf"):
         return "gguf"
     if path.is_dir() and (path / "quant_config.json").is_file():
         return "canonical"
     for name, module in family_modules().items():
-        if module.matches(path):
-            return name
+        with malformed_configs(path):
+            if module.matches(path):
+                return name
     raise UserError(f"{path}: not a recognised export (looked for a .gguf file, rank0.safetensors, or a "
                     "config.json quantization_config with quant_method awq, gptq or compressed-tensors, or a "
                     "PaddleNLP quant_type)")
@@ -78,7 +92,8 @@ def inspect(path: Path) -> Report:
     family = detect(path)
     if family == "canonical":
         return _inspect_canonical(path)
-    report = family_modules()[family].validate(path)
+    with malformed_configs(path):
+        report = family_modules()[family].validate(path)
     report.facts["engine"] = engine_note(family)
     side = read_sidecar(path) if path.is_dir() else None
     if side:

@@ -11,16 +11,17 @@ Forms of `model.id`, tried in this order:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from quantlab.errors import UserError
-from quantlab.file_checks import check_gguf
+from quantlab.file_checks import check_gguf, check_safetensors
 from quantlab.models.builtin import BUILTIN_MODELS, cached_float_checkpoint, float_checkpoint
 from quantlab.models.moe import unfuse_experts
 from quantlab.recipe import ModelSpec
@@ -84,6 +85,24 @@ def _check_local(spec: ModelSpec) -> None:
         if not gguf.is_file():
             raise UserError(f"model.gguf_file: {str(gguf)!r} is not a file")
         check_gguf(gguf)
+        _check_gguf_config(gguf)
+    elif path.is_dir():
+        for shard in sorted(path.glob("*.safetensors")):
+            check_safetensors(shard)  # headers only: a crafted or truncated shard fails here, not mid-run
+
+
+def _check_gguf_config(gguf: Path) -> None:
+    """The model config transformers derives from a GGUF's metadata, built without reading a
+    tensor: inconsistent hyperparameters (a hidden size no multiple of the head count) fail
+    here in one line instead of after calibration."""
+    from transformers import AutoConfig
+
+    try:
+        with _quiet_transformers():
+            AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as exc:  # transformers raises ValueError, KeyError, … for metadata it cannot map
+        raise UserError(f"model.id: {str(gguf)!r} declares a model transformers cannot build "
+                        f"({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''})") from None
 
 
 def resolve(spec: ModelSpec) -> ResolvedModel:
@@ -187,6 +206,9 @@ def load_model(spec: ModelSpec, resolved: ResolvedModel) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_pretrained(resolved.location, **kwargs)
     except OSError as exc:
         raise _unreachable(spec, resolved, exc) from None
+    except ValueError as exc:  # a config or checkpoint transformers refuses (inconsistent sizes, …)
+        raise UserError(f"model.id: {resolved.location!r} could not be built: "
+                        f"{str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}") from None
     if resolved.gguf_file:
         model.hf_quantizer = None  # dequantized on load: plain float from here on
     unfuse_experts(model)  # MoE: per-expert Linears to quantize (same function; no-op if dense)
@@ -253,14 +275,22 @@ def local_tokenizer(spec: ModelSpec) -> Any | None:
         directory = path if looks_local(spec.id) and (path / "config.json").is_file() else None
     if directory is None or not any((directory / name).is_file() for name in VOCABULARY_FILES):
         return None  # transformers would make an empty tokenizer: counts from it mean nothing
+    try:
+        with _quiet_transformers():
+            return load_tokenizer(spec, ResolvedModel("local", str(directory), None, None))
+    except Exception:  # a broken tokenizer: loading the model reports it
+        return None
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' warnings held back: preflight prints one line or nothing."""
     from transformers.utils import logging
 
     verbosity = logging.get_verbosity()
-    logging.set_verbosity_error()  # preflight prints one line or nothing
+    logging.set_verbosity_error()
     try:
-        return load_tokenizer(spec, ResolvedModel("local", str(directory), None, None))
-    except Exception:  # a broken tokenizer: loading the model reports it
-        return None
+        yield
     finally:
         logging.set_verbosity(verbosity)
 
