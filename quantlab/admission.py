@@ -23,7 +23,7 @@ from quantlab.export.api import check_exportable
 from quantlab.export.source import Canonical, linear_shapes
 from quantlab.formats import FORMATS, keeps_folded_weights
 from quantlab.models.arch import ARCH_SPECS, MOE_ARCH_SPECS
-from quantlab.models.builtin import BUILTIN_MODELS, float_checkpoint_dir
+from quantlab.models.sources import config_on_disk, is_hub_id
 from quantlab.quant.primitives import QuantizedWeight, default_g_idx
 from quantlab.quant.scheme import WeightScheme
 from quantlab.recipe import WEIGHT_KINDS, Recipe
@@ -64,16 +64,8 @@ def declared_architecture(recipe: Recipe, model_dir: Path | None = None) -> str 
         field = GGUFReader(gguf_path).get_field("general.architecture")
         arch = field.contents() if field is not None else None
         return GGUF_MODEL_TYPES.get(arch, arch)
-    config = path / "config.json"
-    if not config.is_file() and spec.id in BUILTIN_MODELS:
-        config = float_checkpoint_dir(spec.id) / "config.json"
-    if not config.is_file() and not path.exists() and spec.id not in BUILTIN_MODELS \
-            and not spec.id.startswith("modelscope:"):
-        from huggingface_hub import try_to_load_from_cache
-
-        cached = try_to_load_from_cache(spec.id, "config.json", revision=spec.revision)
-        config = Path(cached) if isinstance(cached, str) else config
-    return read_json_object(config).get("model_type") if config.is_file() else None
+    config = config_on_disk(spec, model_dir)
+    return read_json_object(config).get("model_type") if config is not None else None
 
 
 def check_architecture(recipe: Recipe, model_dir: Path | None = None) -> None:
@@ -107,42 +99,25 @@ def admit(recipe: Recipe, model_dir: Path | None = None) -> None:
 def model_config(recipe: Recipe, model_dir: Path | None = None) -> tuple[dict[str, Any], Path] | None:
     """The model's config.json and directory where they are on disk (a built-in model's float
     copy once made); None for a model that only a download would reveal."""
-    model_id = recipe.model.id
-    if model_dir is not None:
-        path = model_dir
-    elif model_id in BUILTIN_MODELS:
-        path = float_checkpoint_dir(model_id)
-    else:
-        path = Path(model_id).expanduser()
-    config_file = path / "config.json"
-    if not config_file.is_file() and _hub_id(recipe):
-        config_file = _hub_config(recipe, download=model_dir is not None) or config_file
-    if not config_file.is_file():
+    config_file = config_on_disk(recipe.model, model_dir)
+    if config_file is None and model_dir is not None and is_hub_id(recipe.model):
+        config_file = _download_config(recipe)
+    if config_file is None:
         return None
     config = read_json_object(config_file)
     return (config, config_file.parent) if config.get("model_type") in ARCH_SPECS else None
 
 
-def _hub_id(recipe: Recipe) -> bool:
-    from quantlab.models.sources import looks_local
+def _download_config(recipe: Recipe) -> Path | None:
+    """A hub model's config.json fetched by a run (which downloads the model anyway), so the
+    model-dependent checks run before calibration. None where it cannot be had: the model
+    loader then says why in one line."""
+    from huggingface_hub import hf_hub_download
 
-    model_id = recipe.model.id
-    return not (model_id in BUILTIN_MODELS or model_id.startswith("modelscope:") or looks_local(model_id))
-
-
-def _hub_config(recipe: Recipe, download: bool) -> Path | None:
-    """A hub model's config.json from the Hugging Face cache; with `download` (a run, which
-    fetches the model anyway) fetched first, so the model-dependent checks run before
-    calibration. None where neither gives it: the model loader then says why in one line."""
-    from huggingface_hub import hf_hub_download, try_to_load_from_cache
-
-    spec = recipe.model
-    cached = try_to_load_from_cache(spec.id, "config.json", revision=spec.revision)
-    if isinstance(cached, str):
-        return Path(cached)
     from quantlab.models.sources import hub_unreachable
 
-    if not download or hub_unreachable():  # offline: huggingface_hub would retry for ~47 s
+    spec = recipe.model
+    if hub_unreachable():  # offline: huggingface_hub would retry for ~47 s
         return None
     try:
         return Path(hf_hub_download(spec.id, "config.json", revision=spec.revision))

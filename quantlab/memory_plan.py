@@ -640,28 +640,6 @@ def _most_samples(plan: MemoryPlan, side: str, available: int) -> int | None:
 # --------------------------------------------------------------------------- a recipe's plan
 
 
-def config_file(recipe: Recipe, model_dir: Path | None = None) -> Path | None:
-    """The model's config.json where it is on disk without downloading (the resolved model, a
-    local directory, a built-in model's float copy, the Hugging Face cache); None otherwise."""
-    from quantlab.models.builtin import BUILTIN_MODELS, float_checkpoint_dir
-
-    spec = recipe.model
-    if model_dir is not None and model_dir.exists():
-        path = model_dir
-    elif spec.id in BUILTIN_MODELS:
-        path = float_checkpoint_dir(spec.id)
-    else:
-        path = Path(spec.id).expanduser()
-    if (path / "config.json").is_file():
-        return path / "config.json"
-    if not path.exists() and spec.id not in BUILTIN_MODELS and not spec.gguf_file:  # a hub id
-        from huggingface_hub import try_to_load_from_cache
-
-        cached = try_to_load_from_cache(spec.id, "config.json", revision=spec.revision)
-        return Path(cached) if isinstance(cached, str) else None
-    return None
-
-
 def world_size() -> int:
     """Ranks of this run (torchrun's `WORLD_SIZE`; 1 for a single process)."""
     return max(1, int(os.environ.get("WORLD_SIZE", "1") or 1))
@@ -673,7 +651,9 @@ def plan_for(recipe: Recipe, device: torch.device | str | None = None,
     it), or None where the model's config.json is not on disk or lacks the sizes."""
     import torch
 
-    path = config_file(recipe, model_dir)
+    from quantlab.models.sources import config_on_disk
+
+    path = config_on_disk(recipe.model, model_dir)
     if path is None:
         return None
     if device is None:

@@ -42,6 +42,9 @@ def check_source(spec: DatasetSpec | SummaryDataSpec, field: str) -> None:
     """Checks done before a run starts: a local file must exist and have a known suffix; a hub
     dataset must be reachable or in the local cache."""
     if spec.source.startswith("modelscope:"):
+        from quantlab.models.sources import require_modelscope
+
+        require_modelscope(f"{field}.source")
         return
     if spec.source in shortcuts() or not is_local(spec.source):
         _check_hub_dataset(spec.source, field)
@@ -261,10 +264,11 @@ def _local_records(path: Path, field: str) -> Iterable[dict[str, Any]]:
 
 
 def _modelscope_records(spec: DatasetSpec, field: str) -> Iterable[dict[str, Any]]:
-    try:
-        from modelscope.msdatasets import MsDataset
-    except ImportError:
-        raise UserError(f"{field}.source: modelscope datasets need pip install 'quantlab[modelscope]'") from None
+    from quantlab.models.sources import require_modelscope
+
+    require_modelscope(f"{field}.source")
+    from modelscope.msdatasets import MsDataset
+
     name = spec.source.removeprefix("modelscope:")
     return MsDataset.load(name, subset_name=spec.subset, split=spec.split)
 

@@ -22,7 +22,7 @@ import torch
 
 from quantlab.errors import UserError
 from quantlab.file_checks import check_gguf, check_safetensors
-from quantlab.models.builtin import BUILTIN_MODELS, cached_float_checkpoint, float_checkpoint
+from quantlab.models.builtin import BUILTIN_MODELS, cached_float_checkpoint, float_checkpoint, float_checkpoint_dir
 from quantlab.models.moe import unfuse_experts
 from quantlab.recipe import ModelSpec
 
@@ -49,8 +49,35 @@ def looks_local(model_id: str) -> bool:
     return model_id.startswith((".", "/", "~")) or model_id.endswith(".gguf") or Path(model_id).exists()
 
 
+def is_hub_id(spec: ModelSpec) -> bool:
+    """A Hugging Face hub id: not a built-in alias, a `modelscope:` id or a local path."""
+    return not (spec.id in BUILTIN_MODELS or spec.id.startswith("modelscope:") or looks_local(spec.id))
+
+
+def config_on_disk(spec: ModelSpec, model_dir: Path | None = None) -> Path | None:
+    """The model's config.json where it is on disk without a download: in `model_dir` (the
+    resolved model), a local checkpoint directory, a built-in model's float copy, or, for a hub
+    id, the Hugging Face cache; None otherwise (a GGUF carries none)."""
+    if model_dir is not None and model_dir.exists():
+        path = model_dir
+    elif spec.id in BUILTIN_MODELS:
+        path = float_checkpoint_dir(spec.id)
+    else:
+        path = Path(spec.id).expanduser()
+    if (path / "config.json").is_file():
+        return path / "config.json"
+    if is_hub_id(spec) and not spec.gguf_file and not path.exists():
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(spec.id, "config.json", revision=spec.revision)
+        return Path(cached) if isinstance(cached, str) else None
+    return None
+
+
 def check_model_id(spec: ModelSpec) -> None:
     """Cheap checks done before a run directory exists (no downloads, no loading)."""
+    if spec.id.startswith("modelscope:"):
+        require_modelscope("model.id")
     if spec.id in BUILTIN_MODELS or spec.id.startswith("modelscope:"):
         return
     if looks_local(spec.id):
@@ -177,11 +204,18 @@ def in_hub_cache(spec: ModelSpec) -> bool:
     return isinstance(try_to_load_from_cache(spec.id, wanted, revision=spec.revision), str)
 
 
+def require_modelscope(field: str) -> None:
+    """`modelscope:` sources need the optional package: said in preflight, not mid-run."""
+    import importlib.util
+
+    if importlib.util.find_spec("modelscope") is None:
+        raise UserError(f"{field}: modelscope: ids need the extra: pip install 'quantlab[modelscope]'")
+
+
 def _modelscope_download(spec: ModelSpec) -> str:
-    try:
-        from modelscope import snapshot_download
-    except ImportError:
-        raise UserError("model.id: modelscope ids need the extra: pip install 'quantlab[modelscope]'") from None
+    require_modelscope("model.id")
+    from modelscope import snapshot_download
+
     repo = spec.id.removeprefix("modelscope:")
     try:
         return snapshot_download(repo, revision=spec.revision or "master")
