@@ -1,6 +1,7 @@
 """The shipped Qwen2 recipes name `Qwen/Qwen2-0.5B-Instruct` on the hub; `--set model.id=DIR`
 must run them unchanged on any local Qwen2 checkpoint. A tiny random Qwen2 (q/k/v biases, GQA)
-stands in for the real one: this tests the plumbing, not the quality."""
+stands in for the real one, as wide as the recipes' group of 128 (a group wider than a layer's
+input is refused): this tests the plumbing, not the quality."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from quantlab.quant.canonical import load_canonical
 @pytest.fixture(scope="module")
 def tiny_qwen2_dir(tmp_path_factory, tokenizer):
     path = tmp_path_factory.mktemp("tiny-qwen2")
-    tiny_model("qwen2").save_pretrained(path)
+    tiny_model("qwen2", hidden_size=128, intermediate_size=128).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 
