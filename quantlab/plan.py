@@ -50,14 +50,7 @@ def preflight(recipe: Recipe) -> Any | None:
     admit(recipe)
     if recipe.evaluate.rouge:
         check_summary_pairs(recipe.evaluate.rouge.dataset, "evaluate.rouge.dataset")
-    loaded: list[Any] = []
-
-    def tokenizer() -> Any | None:
-        loaded.append(local_tokenizer(recipe.model))
-        return loaded[-1]
-
-    check_token_supply(recipe, tokenizer)  # local data, model on disk
-    return loaded[-1] if loaded else None
+    return check_token_supply(recipe, lambda: local_tokenizer(recipe.model))  # local data, model on disk
 
 
 def build_plan(recipe: Recipe, fixed: dict[str, str] | None = None) -> list[Stage]:

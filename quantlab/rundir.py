@@ -2,8 +2,8 @@
 
 A stage is done when the manifest records its content key and every file it wrote is there,
 unchanged (size and sha256; a damaged artifact reruns its stage, a damaged manifest reruns
-every stage); a killed run therefore resumes at the first stage that is not done, and changing one stage's
-parameters reruns only the stages whose keys depend on it. Files and directories are written
+every stage); a killed run therefore resumes at the first stage that is not done, and
+changing one stage's parameters reruns only the stages whose keys depend on it. Files and directories are written
 under a temporary name and renamed when complete, so a reader never sees half an artifact.
 """
 
@@ -67,8 +67,17 @@ def _fingerprint(dirs: tuple[Path, ...]) -> str:
 
 
 def file_sha256(path: Path) -> str:
+    """The file's sha256, read once per version of the file in this process: `quantlab eval`
+    verifies the quantized form before pinning it and the run verifies it again (a 72B form
+    takes about a minute to read). A version is its inode, size and change times."""
+    st = path.stat()
+    return _sha256(str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+@functools.lru_cache(maxsize=4096)
+def _sha256(path: str, _inode: int, _size: int, _mtime_ns: int, _ctime_ns: int) -> str:
     digest = hashlib.sha256()
-    with path.open("rb") as fh:
+    with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
@@ -118,8 +127,8 @@ def check_run_dir(path: Path) -> None:
     must be the run's own. Refused: a symbolic link (a run never writes through one into
     another directory), the filesystem root, the home directory, the current directory or one
     above it, anything that is not a directory, an existing non-empty directory that is not
-    a quantlab run (no manifest.json), and a new directory outside `runs_root()`. Checked before anything is written (`plan.preflight`)
-    and again when the run opens it."""
+    a quantlab run (no manifest.json), and a new directory outside `runs_root()`. Checked
+    before anything is written (`plan.preflight`) and again when the run opens it."""
     text = str(path)
     if "\x00" in text:
         raise UserError("output.dir: contains a NUL character; give a plain path")

@@ -13,11 +13,12 @@ With `format: chat`, records are conversations (`messages` lists, or alpaca-styl
 from __future__ import annotations
 
 import codecs
+import contextlib
 import importlib.resources
 import json
 from functools import cache
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import yaml
 
@@ -142,19 +143,19 @@ def token_demands(recipe: Recipe, bos: bool) -> list[tuple[DatasetSpec, str, Tok
     return demands
 
 
-def check_token_supply(recipe: Recipe, tokenizer_of: Callable[[], Any | None]) -> None:
+def check_token_supply(recipe: Recipe, tokenizer_of: Callable[[], Any | None]) -> Any | None:
     """Refuse, before calibration and before a run directory exists, a local data file that
     yields too few tokens for what reads it (`token_demands`): otherwise an evaluation source
     too short for one window is found only after calibrating and quantizing. `tokenizer_of`
     gives the model's tokenizer where it is on disk (None: not checked), and is called only
     when a local file is read. Each file is read once; sources needing a download are left
-    to the run."""
+    to the run. Returns the tokenizer it loaded (None: none), for the run to reuse."""
     def local(spec: DatasetSpec) -> bool:
         return spec.source not in shortcuts() and is_local(spec.source)
 
     tokenizer = tokenizer_of() if any(local(spec) for spec, _, _ in token_demands(recipe, False)) else None
     if tokenizer is None:
-        return
+        return None
     docs: dict[str, list[str]] = {}
     for spec, field, demand in token_demands(recipe, bos_prefix(tokenizer) is not None):
         if not local(spec):
@@ -163,6 +164,7 @@ def check_token_supply(recipe: Recipe, tokenizer_of: Callable[[], Any | None]) -
         if key not in docs:
             docs[key] = load_documents(spec, field, tokenizer)
         demand.check(spec.source, tokens_at_least(docs[key], tokenizer, demand.tokens))
+    return tokenizer
 
 
 def load_documents(spec: DatasetSpec, field: str, tokenizer: Any = None) -> list[str]:
@@ -253,14 +255,30 @@ def _local_records(path: Path, field: str) -> Iterable[dict[str, Any]]:
     import datasets
 
     builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(path.suffix, "text")
-    datasets.disable_progress_bars()  # a damaged file's error must be the only line on stderr
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its reader logs the failure too
     try:
-        return datasets.load_dataset(builder, data_files=str(path), split="train")
+        with _silent_datasets():
+            return datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as exc:  # datasets wraps parser errors in many types (DatasetGenerationError, …)
         cause = exc.__cause__ or exc
         reason = str(cause).splitlines()[0][:160] if str(cause) else type(cause).__name__
         raise UserError(f"{field}.source: {str(path)!r} could not be read as {builder} ({reason})") from None
+
+
+@contextlib.contextmanager
+def _silent_datasets() -> Iterator[None]:
+    """`datasets` without progress bars or log lines (a damaged file's reader logs its failure
+    too): a data file's error is then the only line on stderr. The caller's settings return."""
+    import datasets
+
+    bars_on, verbosity = datasets.is_progress_bar_enabled(), datasets.logging.get_verbosity()
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+        if bars_on:
+            datasets.enable_progress_bars()
 
 
 def _modelscope_records(spec: DatasetSpec, field: str) -> Iterable[dict[str, Any]]:

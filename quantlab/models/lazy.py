@@ -19,7 +19,6 @@ do not all map is loaded eagerly instead (`lazy_model` returns None).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -30,7 +29,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from quantlab.errors import UserError
-from quantlab.file_checks import check_safetensors
+from quantlab.file_checks import check_safetensors, read_json_object
 from quantlab.models.arch import ArchSpec, arch_spec_for
 from quantlab.models.moe import unfuse_experts
 
@@ -41,11 +40,10 @@ def checkpoint_files(location: Path) -> dict[str, Path] | None:
     """Tensor name → safetensors file of a checkpoint directory (None: no safetensors)."""
     if (location / INDEX).is_file():
         index = location / INDEX
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = {str(name): location / str(fname) for name, fname in weight_map.items()}
-        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
-            raise UserError(f"{index}: not a safetensors index (JSON with a weight_map)") from None
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise UserError(f"{index}: not a safetensors index (JSON with a weight_map)")
+        files = {str(name): location / str(fname) for name, fname in weight_map.items()}
         for path in dict.fromkeys(files.values()):
             if not path.resolve().is_relative_to(location.resolve()) or not path.is_file():
                 raise UserError(f"{index}: lists {path.name!r}, which is not a file in {location}")

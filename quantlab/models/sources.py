@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -177,23 +178,27 @@ def hub_unreachable(endpoint: str | None = None) -> str | None:
     return _probe(endpoint or constants.ENDPOINT)
 
 
-_ANSWERED: set[str] = set()  # endpoints that answered once in this process: not asked again
+PROBE_MEMORY_S = 60.0  # how long a probe's outcome stands: preflight, resolve and each hub source ask
+_PROBED: dict[str, tuple[float, str | None]] = {}  # endpoint → (when, why unreachable or None)
 
 
 def _probe(endpoint: str) -> str | None:
     """One HEAD request to `endpoint` through huggingface_hub's session (its proxies and
-    headers); any HTTP answer, even an error status, means reachable. A failure is not
-    remembered: a long-lived process (a notebook) may come online later."""
+    headers); any HTTP answer, even an error status, means reachable. The outcome stands for
+    PROBE_MEMORY_S, so one run pays for at most one probe, while a long-lived process (a
+    notebook) that comes online is asked again later."""
     from huggingface_hub.utils import get_session
 
-    if endpoint in _ANSWERED:
-        return None
+    when, why = _PROBED.get(endpoint, (float("-inf"), None))
+    if time.monotonic() - when < PROBE_MEMORY_S:
+        return why
     try:
         get_session().head(endpoint, timeout=PROBE_TIMEOUT_S, follow_redirects=False)
+        why = None
     except Exception as exc:  # connection refused, DNS failure, timeout, proxy error: all unreachable
-        return f"no answer from {endpoint} within {PROBE_TIMEOUT_S:g} s: {type(exc).__name__}"
-    _ANSWERED.add(endpoint)
-    return None
+        why = f"no answer from {endpoint} within {PROBE_TIMEOUT_S:g} s: {type(exc).__name__}"
+    _PROBED[endpoint] = (time.monotonic(), why)
+    return why
 
 
 def in_hub_cache(spec: ModelSpec) -> bool:
