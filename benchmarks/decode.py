@@ -239,14 +239,15 @@ def step_kernels(model, prompts: torch.Tensor, decode: str, steps: int = 32) -> 
     return sorted(rows, key=lambda r: -r["us_per_step"])
 
 
-def time_runner(model, prompts: torch.Tensor, new_tokens: int, repeats: int, decode: str) -> dict[str, Any]:
+def time_runner(model, prompts: torch.Tensor, new_tokens: int, repeats: int, decode: str,
+                prefill: str = "auto") -> dict[str, Any]:
     from quantlab.runner.generate import generate
 
-    generate(model, prompts, new_tokens, decode=decode)  # warm-up: autotune, graph capture
-    runs = [generate(model, prompts, new_tokens, decode=decode) for _ in range(repeats)]
+    generate(model, prompts, new_tokens, decode=decode, prefill=prefill)  # warm-up: autotune, compile
+    runs = [generate(model, prompts, new_tokens, decode=decode, prefill=prefill) for _ in range(repeats)]
     return {"prefill_tok_s": statistics.median(r.prefill_tokens_per_s for r in runs),
             "decode_tok_s": statistics.median(r.decode_tokens_per_s for r in runs),
-            "decode_mode": runs[0].stats["decode"]}
+            "decode_mode": runs[0].stats["decode"], "prefill_mode": runs[0].stats["prefill"]}
 
 
 @torch.no_grad()
@@ -282,7 +283,7 @@ def is_oom(e: BaseException) -> bool:
 
 
 def release(model, device: torch.device) -> None:
-    """Drop the runner's KV caches and decode step (a captured graph or a compiled step holds
+    """Drop the runner's KV caches and its prefill and decode steps (a captured graph or a compiled step holds
     its own memory pool) so that a combination allocates only its own, and on a GPU forget the
     compiled frames (`torch._dynamo.reset()`): every (batch, cache length) compiles a new step
     of the same frame, `DecodeStep._forward`; recompiles count toward dynamo's recompile limit
@@ -294,8 +295,9 @@ def release(model, device: torch.device) -> None:
             attn.kv_cache = None
     if hasattr(model, "max_batch"):
         model.max_batch = model.max_seq_len = 0
-    if hasattr(model, "_decode_step"):
-        del model._decode_step
+    for step in ("_decode_step", "_prefill_steps"):
+        if hasattr(model, step):
+            delattr(model, step)
     if device.type == "cuda":
         torch._dynamo.reset()
     free(device)
@@ -337,7 +339,7 @@ def measure_one(model, label: str, args, device: torch.device, config, prompt_le
     else:
         model.set_attention(args.attention)
         fused = args.fused_decode and model.set_fused_decode(True)
-        res = time_runner(model, prompts, args.new_tokens, args.repeats, args.decode)
+        res = time_runner(model, prompts, args.new_tokens, args.repeats, args.decode, args.prefill)
         if args.profile:
             res["step_kernels"] = step_kernels(model, prompts, args.decode)
         if args.attention != "torch":
@@ -359,7 +361,8 @@ def measure_one(model, label: str, args, device: torch.device, config, prompt_le
            "hbm_roofline": step_bytes * steps_s / (peak_tbps * 1e12) if peak_tbps else None}
     roof = f", {row['hbm_roofline']:.1%} of HBM" if row["hbm_roofline"] is not None else ""
     print(f"  {label:8s} prompt {prompt_len:5d} batch {batch:3d}: prefill {res['prefill_tok_s']:10.1f} tok/s, "
-          f"decode {res['decode_tok_s']:9.1f} tok/s{roof} ({res['decode_mode']})", flush=True)
+          f"decode {res['decode_tok_s']:9.1f} tok/s{roof} ({res['decode_mode']}; prefill "
+          f"{res.get('prefill_mode', '—')})", flush=True)
     sync(device)
     return row
 
@@ -499,12 +502,14 @@ def profile_prefill(model, label: str, args, device: torch.device, config, hf: b
         def prefill():
             return model(prompts, attention_mask=mask, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1)
     else:
+        from quantlab.runner.generate import prefill_step
+
         model.setup_caches(batch, prompt_len + 1)
         model.set_padding(torch.zeros(batch, dtype=torch.long))
-        pos = torch.arange(prompt_len, device=device)
+        step = prefill_step(model, args.prefill)
 
         def prefill():  # what `generate` times as the prefill
-            return model(prompts, pos, attend_len=prompt_len, last_only=True)[:, -1].argmax(-1)
+            return step(prompts).argmax(-1)
 
     def timed() -> float:
         sync(device)
@@ -776,8 +781,8 @@ def markdown(res: dict[str, Any]) -> str:
         + (f"{peak:g} TB/s." if peak else "the peak bandwidth (none known for this device)."),
         "",
         "| scheme | batch | prompt | prefill tok/s | prefill × bf16 | decode tok/s | decode × bf16 | × hf bf16 "
-        "| HBM roofline | weights GB | KV GB / step | decode |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| HBM roofline | weights GB | KV GB / step | decode | prefill |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     rows = res["rows"]
     index = {(r["scheme"], r["prompt_len"], r["batch"]): r for r in rows}
@@ -792,13 +797,13 @@ def markdown(res: dict[str, Any]) -> str:
     for r in sorted(rows, key=lambda r: (r["prompt_len"], r["batch"], order.get(r["scheme"], len(order)))):
         if r.get("prefill_tok_s") is None:
             lines.append(f"| {r['scheme']} | {r['batch']} | {r['prompt_len']} | {r['status']} | | | | | | | | "
-                         f"{r.get('error', '')[:80]} |")
+                         f"{r.get('error', '')[:80]} | |")
             continue
         roof = f"{r['hbm_roofline']:.1%}" if r.get("hbm_roofline") is not None else "—"
         lines.append(f"| {r['scheme']} | {r['batch']} | {r['prompt_len']} | {r['prefill_tok_s']:.1f} | "
                      f"{vs(r, 'bf16', 'prefill_tok_s')} | {r['decode_tok_s']:.1f} | {vs(r, 'bf16', 'decode_tok_s')} | "
                      f"{vs(r, 'hf-bf16', 'decode_tok_s')} | {roof} | {r['weight_gb']:.2f} | "
-                     f"{r['kv_gb_per_step']:.3f} | {r['decode_mode']} |")
+                     f"{r['kv_gb_per_step']:.3f} | {r['decode_mode']} | {r.get('prefill_mode', '—')} |")
     if any(r["scheme"] == "w4a16-floor" for r in rows):
         lines += ["", "w4a16-floor: the W4A16 model with every decode GEMM replaced by a kernel that only "
                   "reads the GEMM's weight bytes (benchmarks/read_floor.py) — the most any W4A16 kernel "
@@ -853,6 +858,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help=f"comma-separated subset of {','.join(SCHEMES)}")
     ap.add_argument("--decode", choices=("auto", "eager", "graphs", "compile"), default="auto",
                     help="runner decode step: CUDA graph on a GPU by default, eager on CPU")
+    ap.add_argument("--prefill", choices=("auto", "eager", "compile", "graphs"), default="auto",
+                    help="runner prefill: compiled with dynamic shapes on a GPU by default (graphs: and a "
+                         "CUDA graph per prompt shape), eager on CPU")
     ap.add_argument("--attention", choices=("torch", "triton"), default="torch",
                     help="the runner's decode attention: torch ops, or the flash-decoding kernel")
     ap.add_argument("--pdl", action="store_true",

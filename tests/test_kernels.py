@@ -1249,8 +1249,9 @@ def test_linear_entry_points_use_the_kernels():
 @needs_triton
 def test_custom_ops_only_under_torch_compile(monkeypatch):
     """Eager calls launch the kernels directly (the custom op's dispatch is host time an eager
-    prefill waits on); under torch.compile each GEMM and the decode attention is the custom op,
-    one opaque node, so the whole function traces without a graph break."""
+    prefill waits on); under torch.compile each GEMM, the decode attention and the activation
+    quantization is the custom op, one opaque node, so the whole function traces without a
+    graph break."""
     x = torch.randn(3, 96).half().to(DEV)
     p4 = layout.pack_wna16(canonical(48, 96, 4, 32), torch.float16).to(DEV)
     p8 = layout.quantize_int8_weight(torch.randn(48, 96)).to(DEV)
@@ -1261,7 +1262,8 @@ def test_custom_ops_only_under_torch_compile(monkeypatch):
 
     def both(x):
         y = ops.wna16_linear(x, p4) + ops.w8a8_linear(x, p8)
-        return y, ops.decode_attention(q * y[0, 0], *cache)
+        codes, scales = ops.quantize_rows(y, "int8")
+        return y, ops.decode_attention(q * y[0, 0], *cache), codes, scales
 
     eager = both(x)
     traced = torch.compile(both, backend="aot_eager", fullgraph=True)(x)
@@ -1273,6 +1275,7 @@ def test_custom_ops_only_under_torch_compile(monkeypatch):
     monkeypatch.setattr(ops, "_wna16_mm_op", refuse)
     monkeypatch.setattr(ops, "_scaled_mm_op", refuse)
     monkeypatch.setattr(ops, "_decode_attention_op", refuse)
+    monkeypatch.setattr(ops, "_quantize_rows_op", refuse)
     assert all(torch.equal(a, b) for a, b in zip(both(x), eager))
 
 

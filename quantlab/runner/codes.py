@@ -47,19 +47,18 @@ class InputQuant:
         return InputQuant(self.kind, self.per_token, absmax)
 
     def quantize(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`x2 [M, K]` → codes `[M, K]` and scales `[M]` (per token) or `[1]`. Runs eagerly on a
-        GPU as one Triton launch (kernels/triton_act.py, bit-identical); torch.compile fuses
-        the torch ops itself. Not under the CPU interpreter: one program per row is far too
-        slow there, and its e4m3 cast is wrong (tests call the int8 kernel directly)."""
+        """`x2 [M, K]` → codes `[M, K]` and scales `[M]` (per token) or `[1]`. On a GPU one
+        Triton launch (`ops.quantize_rows`, bit-identical), compiled or not: Inductor's fusion
+        of the torch ops divides with approximate division, which can move a code. Not under
+        the CPU interpreter: one program per row is far too slow there, and its e4m3 cast is
+        wrong (tests call the int8 kernel directly)."""
         if (self.per_token or self.absmax is not None) and x2.shape[0] and x2.is_cuda \
-                and x2.stride(-1) == 1 and ops.use_triton(x2) and not torch.compiler.is_compiling():
-            from quantlab.kernels.triton_act import quantize_rows
-
-            return quantize_rows(x2, self.kind, None if self.per_token else self.absmax)
+                and x2.stride(-1) == 1 and ops.use_triton(x2):
+            return ops.quantize_rows(x2, self.kind, None if self.per_token else self.absmax)
         return self.quantize_torch(x2)
 
     def quantize_torch(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`quantize` in torch ops: the CPU path, what torch.compile fuses, the kernel's reference."""
+        """`quantize` in torch ops: the CPU path and the kernel's reference."""
         if self.per_token:
             amax = x2.to(compute_dtype(x2.dtype)).abs().amax(dim=-1)
         elif self.absmax is None:

@@ -13,6 +13,14 @@
   replays CUDA graphs). `"auto"` is compile on a GPU — on an H200 the 7B-shaped W4A16 model
   decoded 363 tok/s compiled against 216 graphed (`benchmarks/decode.py --decode`) —
   falling back to graphs if compiling fails, and eager on the CPU.
+* The prefill runs eagerly or compiled (`prefill="compile"`, `Prefill`): one torch.compile with
+  dynamic shapes serves every prompt length and batch (batch 1 is its own graph), so Inductor
+  fuses the norms, RoPE and SwiGLU between the GEMMs and the host launches a fraction of the
+  eager kernels — an eager 512-token prefill at batch 1 waits on the host for about half its
+  wall time (`benchmarks/decode.py --profile-prefill`). `prefill="graphs"` also replays a CUDA
+  graph per prompt shape (Inductor's CUDA-graph trees): no host time at all for shapes that
+  recur, one recording for each new one. `"auto"` is compile on a GPU, falling back to eager
+  if compiling fails, and eager on the CPU.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from quantlab.kernels.ops import capture_graph
 from quantlab.runner.model import Transformer
 
 DecodeMode = Literal["auto", "eager", "graphs", "compile"]
+PrefillMode = Literal["auto", "eager", "compile", "graphs"]
 
 
 @dataclass
@@ -137,6 +146,50 @@ class DecodeStep:
         self._graph, self._logits = capture_graph(self._forward, warmups=2)
 
 
+class Prefill:
+    """`prefill(ids [B, L]) -> logits [B, V]` of each row's last position, K/V written at
+    positions 0…L−1: eager, compiled with dynamic shapes, or compiled with CUDA graphs."""
+
+    def __init__(self, model: Transformer, mode: PrefillMode = "auto"):
+        self.fallback = mode == "auto"  # compile failures fall back to eager
+        if mode == "auto":
+            mode = "compile" if model.device.type == "cuda" else "eager"
+        if mode == "graphs" and model.device.type != "cuda":
+            raise ValueError(f"prefill='graphs' needs a CUDA device, the model is on {model.device}")
+        self.model, self.mode = model, mode
+        self._compiled = None
+        if mode != "eager":
+            options = {"triton.cudagraphs": mode == "graphs"}
+            self._compiled = torch.compile(self._forward, dynamic=True, options=options)
+
+    def _forward(self, ids: torch.Tensor, input_pos: torch.Tensor, length: int) -> torch.Tensor:
+        return self.model(ids, input_pos, attend_len=length, last_only=True)[:, -1]
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        length = ids.shape[1]
+        pos = torch.arange(length, device=ids.device)
+        if self._compiled is not None:
+            try:
+                logits = self._compiled(ids, pos, length)
+                return logits.clone() if self.mode == "graphs" else logits  # graph outputs are overwritten
+            except Exception as e:  # noqa: BLE001 — Inductor or its toolchain can be missing
+                if not self.fallback:
+                    raise
+                warnings.warn(f"torch.compile failed ({type(e).__name__}: {str(e)[:200]}); "
+                              "prefilling eagerly instead", stacklevel=2)
+                self.mode, self._compiled = "eager", None
+        return self._forward(ids, pos, length)
+
+
+def prefill_step(model: Transformer, mode: PrefillMode = "auto") -> Prefill:
+    """The model's prefill for `mode`, kept so that its compiled graphs are reused."""
+    steps = getattr(model, "_prefill_steps", None) or {}
+    if mode not in steps:
+        steps[mode] = Prefill(model, mode)
+    model._prefill_steps = steps
+    return steps[mode]
+
+
 def decode_step(model: Transformer, mode: DecodeMode = "auto") -> DecodeStep:
     """The model's decode step for its current caches (and fused or not: the captured graph
     holds one path), kept so a captured graph is reused."""
@@ -157,7 +210,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]] | torch.Tensor
              temperature: float = 0.0, top_k: int | None = None, seed: int | None = None,
              eos_token_id: int | Sequence[int] | None = None, pad_token_id: int = 0,
              on_token: Callable[[torch.Tensor], None] | None = None, decode: DecodeMode = "auto",
-             max_seq_len: int | None = None) -> Generation:
+             prefill: PrefillMode = "auto", max_seq_len: int | None = None) -> Generation:
     """Generate up to `max_new_tokens` per prompt; stops early once every row has hit EOS."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
@@ -166,6 +219,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]] | torch.Tensor
     b, length = ids.shape
     model.setup_caches(b, max(length + max_new_tokens, max_seq_len or 0))
     model.set_padding(pad)
+    first = prefill_step(model, prefill)
     step = decode_step(model, decode) if max_new_tokens > 1 else None
     gen = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
     eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or []),
@@ -175,10 +229,9 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]] | torch.Tensor
 
     _sync(dev)
     start = time.perf_counter()
-    logits = model(ids.to(dev), torch.arange(length, device=dev), attend_len=length, last_only=True)[:, -1]
-    tok = sample(logits, temperature, top_k, gen)
+    tok = sample(first(ids.to(dev)), temperature, top_k, gen)
     _sync(dev)
-    prefill = time.perf_counter() - start
+    prefill_seconds = time.perf_counter() - start
 
     steps = 0
     start = time.perf_counter()
@@ -196,8 +249,8 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]] | torch.Tensor
     _sync(dev)
     decode_seconds = time.perf_counter() - start
     lengths = _lengths(out[:, : i + 1], eos)
-    return Generation(out[:, : i + 1], lengths, length, prefill, decode_seconds, steps,
-                      {"decode": step.mode if step else "none", "batch": b})
+    return Generation(out[:, : i + 1], lengths, length, prefill_seconds, decode_seconds, steps,
+                      {"decode": step.mode if step else "none", "prefill": first.mode, "batch": b})
 
 
 def _lengths(tokens: torch.Tensor, eos: torch.Tensor) -> list[int]:
