@@ -21,9 +21,10 @@ real run's `quantized/`:
 Per scheme, prompt length (`--prompts`) and batch (`--batches`): a warm-up generation
 (autotuning, CUDA-graph capture or compilation), then `--repeats` timed ones; medians of prefill
 tokens/s (batch × prompt tokens / prefill time) and decode tokens/s (batch × (new tokens − 1) /
-decode-loop time). Each combination starts from released KV caches and a fresh decode step
-(`torch._dynamo.reset()` on a GPU: each combination's decode step compiles as in a fresh process,
-not as the n-th recompile of one frame, `release`). The runner decodes under a captured CUDA
+decode-loop time). Each batch starts from released KV caches and fresh prefill and decode steps
+(`torch._dynamo.reset()` on a GPU: its steps compile as in a fresh process, not as the n-th
+recompile of one frame, `release`); its prompt lengths share caches sized for the longest
+prompt, so the compiled prefill (dynamic in the prompt length) and the decode step are shared. The runner decodes under a captured CUDA
 graph or compiled step on a GPU (`--decode`), eagerly on CPU.
 
 Each decode row also gives the fraction of the HBM roofline: the bytes one decode step must read
@@ -240,11 +241,12 @@ def step_kernels(model, prompts: torch.Tensor, decode: str, steps: int = 32) -> 
 
 
 def time_runner(model, prompts: torch.Tensor, new_tokens: int, repeats: int, decode: str,
-                prefill: str = "auto") -> dict[str, Any]:
+                prefill: str = "auto", cache_len: int | None = None) -> dict[str, Any]:
     from quantlab.runner.generate import generate
 
-    generate(model, prompts, new_tokens, decode=decode, prefill=prefill)  # warm-up: autotune, compile
-    runs = [generate(model, prompts, new_tokens, decode=decode, prefill=prefill) for _ in range(repeats)]
+    kw = dict(decode=decode, prefill=prefill, max_seq_len=cache_len)
+    generate(model, prompts, new_tokens, **kw)  # warm-up: autotune, compile
+    runs = [generate(model, prompts, new_tokens, **kw) for _ in range(repeats)]
     return {"prefill_tok_s": statistics.median(r.prefill_tokens_per_s for r in runs),
             "decode_tok_s": statistics.median(r.decode_tokens_per_s for r in runs),
             "decode_mode": runs[0].stats["decode"], "prefill_mode": runs[0].stats["prefill"]}
@@ -283,12 +285,13 @@ def is_oom(e: BaseException) -> bool:
 
 
 def release(model, device: torch.device) -> None:
-    """Drop the runner's KV caches and its prefill and decode steps (a captured graph or a compiled step holds
-    its own memory pool) so that a combination allocates only its own, and on a GPU forget the
-    compiled frames (`torch._dynamo.reset()`): every (batch, cache length) compiles a new step
-    of the same frame, `DecodeStep._forward`; recompiles count toward dynamo's recompile limit
-    (8), past which the frame runs eagerly, and a changed shape can recompile it with dynamic
-    shapes. Each combination's step is compiled as in a fresh process."""
+    """Drop the runner's KV caches and its prefill and decode steps (a captured graph or a
+    compiled step holds its own memory pool) so that a batch allocates only its own, and on a
+    GPU forget the compiled frames (`torch._dynamo.reset()`): every (batch, cache length)
+    compiles new steps of the same frames (`Prefill._forward`, `DecodeStep._forward`);
+    recompiles count toward dynamo's recompile limit (8), past which a frame runs eagerly, and
+    a changed shape can recompile it with dynamic shapes. Each batch's steps are compiled as in
+    a fresh process."""
     for layer in getattr(getattr(model, "model", None), "layers", []):
         attn = getattr(layer, "self_attn", None)
         if attn is not None and hasattr(attn, "kv_cache"):
@@ -324,7 +327,7 @@ def not_reached(label: str, prompt_len: int, batch: int, args, why: str, oom: bo
 
 
 def measure_one(model, label: str, args, device: torch.device, config, prompt_len: int, batch: int,
-                hf: bool, peak_tbps: float | None) -> dict[str, Any]:
+                hf: bool, peak_tbps: float | None, cache_len: int | None = None) -> dict[str, Any]:
     """One (prompt length, batch) of one scheme: timings, then the decode step's bytes."""
     from quantlab.runner.linear import weight_bytes
 
@@ -339,7 +342,7 @@ def measure_one(model, label: str, args, device: torch.device, config, prompt_le
     else:
         model.set_attention(args.attention)
         fused = args.fused_decode and model.set_fused_decode(True)
-        res = time_runner(model, prompts, args.new_tokens, args.repeats, args.decode, args.prefill)
+        res = time_runner(model, prompts, args.new_tokens, args.repeats, args.decode, args.prefill, cache_len)
         if args.profile:
             res["step_kernels"] = step_kernels(model, prompts, args.decode)
         if args.attention != "torch":
@@ -373,15 +376,17 @@ def measure(model, label: str, args, device: torch.device, config, rows: list[di
     """Every (prompt length, batch) of one scheme into `rows`, `checkpoint()` after each; one
     that does not fit or fails is recorded as such and the others still run."""
     element_size = (model.get_input_embeddings().weight if hf else model.model.embed_tokens.weight).element_size()
-    for prompt_len in args.prompts:
-        for batch in args.batches:
-            release(model, device)
-            why = kv_fits(config, device, batch, prompt_len + args.new_tokens, element_size)
+    cache_len = max(args.prompts) + args.new_tokens
+    for batch in args.batches:
+        release(model, device)  # a batch's prompt lengths share its caches and compiled steps
+        for prompt_len in args.prompts:
+            why = kv_fits(config, device, batch, cache_len, element_size)
             if why is not None:
                 rows.append(not_reached(label, prompt_len, batch, args, why, oom=True))
             else:
                 try:
-                    rows.append(measure_one(model, label, args, device, config, prompt_len, batch, hf, peak_tbps))
+                    rows.append(measure_one(model, label, args, device, config, prompt_len, batch, hf, peak_tbps,
+                                            cache_len))
                 except Exception as e:  # noqa: BLE001 — one combination must not end the run
                     if not is_oom(e):
                         traceback.print_exc()
@@ -647,9 +652,7 @@ def run(args: argparse.Namespace, on_rows: Callable[[dict[str, Any]], Any] = lam
         else:
             del hf
         free(device)
-    for name in ("w4a16", "w8a8", "fp8", "w4a16-head", "w4a16-floor"):
-        if name not in wanted:
-            continue
+    for name in [s for s in args.schemes if s not in ("hf-bf16", "bf16")]:
         floor = name == "w4a16-floor"
         if floor and device.type != "cuda":
             print("  w4a16-floor: needs a CUDA GPU (Triton), skipped", flush=True)
@@ -858,9 +861,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help=f"comma-separated subset of {','.join(SCHEMES)}")
     ap.add_argument("--decode", choices=("auto", "eager", "graphs", "compile"), default="auto",
                     help="runner decode step: CUDA graph on a GPU by default, eager on CPU")
-    ap.add_argument("--prefill", choices=("auto", "eager", "compile", "graphs"), default="auto",
-                    help="runner prefill: compiled with dynamic shapes on a GPU by default (graphs: and a "
-                         "CUDA graph per prompt shape), eager on CPU")
+    ap.add_argument("--prefill", choices=("auto", "eager", "compile"), default="auto",
+                    help="runner prefill: each layer compiled with dynamic shapes on a GPU by default, "
+                         "eager on CPU")
     ap.add_argument("--attention", choices=("torch", "triton"), default="torch",
                     help="the runner's decode attention: torch ops, or the flash-decoding kernel")
     ap.add_argument("--pdl", action="store_true",

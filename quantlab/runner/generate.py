@@ -13,14 +13,14 @@
   replays CUDA graphs). `"auto"` is compile on a GPU — on an H200 the 7B-shaped W4A16 model
   decoded 363 tok/s compiled against 216 graphed (`benchmarks/decode.py --decode`) —
   falling back to graphs if compiling fails, and eager on the CPU.
-* The prefill runs eagerly or compiled (`prefill="compile"`, `Prefill`): one torch.compile with
-  dynamic shapes serves every prompt length and batch (batch 1 is its own graph), so Inductor
-  fuses the norms, RoPE and SwiGLU between the GEMMs and the host launches a fraction of the
-  eager kernels — an eager 512-token prefill at batch 1 waits on the host for about half its
-  wall time (`benchmarks/decode.py --profile-prefill`). `prefill="graphs"` also replays a CUDA
-  graph per prompt shape (Inductor's CUDA-graph trees): no host time at all for shapes that
-  recur, one recording for each new one. `"auto"` is compile on a GPU, falling back to eager
-  if compiling fails, and eager on the CPU.
+* The prefill runs eagerly or compiled (`prefill="compile"`, `Prefill`): each decoder layer
+  goes through one torch.compile'd function with dynamic shapes — regional compilation: the
+  layers share one graph (their weights are its inputs), so compiling costs one layer's time
+  whatever the depth, and every prompt length reuses it. Inductor fuses the norms, RoPE, SwiGLU
+  and residual adds between the GEMMs, and the host launches a fraction of the eager kernels:
+  an eager 512-token prefill at batch 1 waits on the host for about half its wall time
+  (`benchmarks/decode.py --profile-prefill`). `"auto"` is compile on a GPU, falling back to
+  eager if compiling fails, and eager on the CPU.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ import torch
 
 from quantlab.kernels import ops
 from quantlab.kernels.ops import capture_graph
-from quantlab.runner.model import Transformer
+from quantlab.runner.model import Transformer, call_layer
 
 DecodeMode = Literal["auto", "eager", "graphs", "compile"]
-PrefillMode = Literal["auto", "eager", "compile", "graphs"]
+PrefillMode = Literal["auto", "eager", "compile"]
 
 
 @dataclass
@@ -148,37 +148,28 @@ class DecodeStep:
 
 class Prefill:
     """`prefill(ids [B, L]) -> logits [B, V]` of each row's last position, K/V written at
-    positions 0…L−1: eager, compiled with dynamic shapes, or compiled with CUDA graphs."""
+    positions 0…L−1: eager, or each layer through one compiled function (dynamic shapes)."""
 
     def __init__(self, model: Transformer, mode: PrefillMode = "auto"):
         self.fallback = mode == "auto"  # compile failures fall back to eager
         if mode == "auto":
             mode = "compile" if model.device.type == "cuda" else "eager"
-        if mode == "graphs" and model.device.type != "cuda":
-            raise ValueError(f"prefill='graphs' needs a CUDA device, the model is on {model.device}")
         self.model, self.mode = model, mode
-        self._compiled = None
-        if mode != "eager":
-            options = {"triton.cudagraphs": mode == "graphs"}
-            self._compiled = torch.compile(self._forward, dynamic=True, options=options)
-
-    def _forward(self, ids: torch.Tensor, input_pos: torch.Tensor, length: int) -> torch.Tensor:
-        return self.model(ids, input_pos, attend_len=length, last_only=True)[:, -1]
+        self._layer = torch.compile(call_layer, dynamic=True) if mode == "compile" else None
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         length = ids.shape[1]
         pos = torch.arange(length, device=ids.device)
-        if self._compiled is not None:
+        if self._layer is not None:
             try:
-                logits = self._compiled(ids, pos, length)
-                return logits.clone() if self.mode == "graphs" else logits  # graph outputs are overwritten
+                return self.model(ids, pos, attend_len=length, last_only=True, run_layer=self._layer)[:, -1]
             except Exception as e:  # noqa: BLE001 — Inductor or its toolchain can be missing
                 if not self.fallback:
                     raise
                 warnings.warn(f"torch.compile failed ({type(e).__name__}: {str(e)[:200]}); "
                               "prefilling eagerly instead", stacklevel=2)
-                self.mode, self._compiled = "eager", None
-        return self._forward(ids, pos, length)
+                self.mode, self._layer = "eager", None
+        return self.model(ids, pos, attend_len=length, last_only=True)[:, -1]
 
 
 def prefill_step(model: Transformer, mode: PrefillMode = "auto") -> Prefill:

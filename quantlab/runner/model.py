@@ -17,6 +17,7 @@ the batch) and attends over the first `attend_len` cache positions (all, under C
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -216,6 +217,12 @@ class Block(nn.Module):
                 and 16 <= d <= 128 and d & (d - 1) == 0)
 
 
+def call_layer(layer: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+               input_pos: torch.Tensor, attend_len: int | None) -> torch.Tensor:
+    """One decoder layer's forward (`Transformer.forward`'s `run_layer`)."""
+    return layer(x, cos, sin, mask, input_pos, attend_len)
+
+
 class Decoder(nn.Module):
     """`model.*` of a transformers checkpoint: embeddings, the blocks and the final norm."""
 
@@ -283,9 +290,11 @@ class Transformer(nn.Module):
         self.pad.copy_(pad.to(self.pad.device))
 
     def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, attend_len: int | None = None,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, run_layer: Callable[..., torch.Tensor] = call_layer) -> torch.Tensor:
         """Logits `[B, L, vocab]` (`[B, 1, vocab]` with `last_only`) of tokens `idx [B, L]`
-        at cache positions `input_pos [L]`; K/V of these tokens are written to the caches."""
+        at cache positions `input_pos [L]`; K/V of these tokens are written to the caches.
+        `run_layer(layer, x, cos, sin, mask, input_pos, attend_len)` runs each decoder layer
+        (the compiled prefill passes one compiled function for all of them)."""
         if self.max_batch == 0:
             raise RuntimeError("call setup_caches(batch, max_seq_len) before the forward pass")
         if self.fused_layers and idx.shape == (1, 1):
@@ -295,7 +304,7 @@ class Transformer(nn.Module):
         masks = {kind: self._mask(input_pos, attend_len or self.max_seq_len, kind) for kind in kinds}
         ropes = {kind: self._rope(input_pos, x.dtype, kind) for kind in kinds}
         for layer in self.model.layers:
-            x = layer(x, *ropes[layer.kind], masks[layer.kind], input_pos, attend_len)
+            x = run_layer(layer, x, *ropes[layer.kind], masks[layer.kind], input_pos, attend_len)
         x = self.model.norm(x[:, -1:] if last_only else x)
         return self.lm_head(x)
 
