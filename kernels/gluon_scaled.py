@@ -157,7 +157,8 @@ def _store(out, y_ptr, off_m, off_n, M, N, stride_ym, num_warps: gl.constexpr):
     r = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, OUT))
     c = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, OUT))
     mask = gl.expand_dims(r < M, 1) & gl.expand_dims(c < N, 0)
-    gl.store(y_ptr + gl.expand_dims(r, 1) * stride_ym + gl.expand_dims(c, 0), y, mask=mask)
+    rows = gl.expand_dims(r.to(gl.int64), 1)  # M × N passes 2³¹ at prefill sizes
+    gl.store(y_ptr + rows * stride_ym + gl.expand_dims(c, 0), y, mask=mask)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ BLOCK = 1024
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, absmax_ptr, K, stride_x, stride_q,
                           STATIC: tl.constexpr, RECIP: tl.constexpr, FP8: tl.constexpr, BLOCK: tl.constexpr):
     """One row per program: its absmax (or the static one), the scale, then the codes."""
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # rows × K passes 2³¹ at prefill sizes (131072 × 18944)
     offs = tl.arange(0, BLOCK)
     x_row = x_ptr + row * stride_x
     if STATIC:
@@ -73,16 +73,17 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, absmax_ptr, K, stride_x, stride_q
 CODES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 
-def quantize_rows(x: torch.Tensor, kind: str = "int8",
-                  absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, kind: str = "int8", absmax: torch.Tensor | None = None,
+                  launch=lambda kernel: kernel) -> tuple[torch.Tensor, torch.Tensor]:
     """`x [M, K]` (M > 0) → int8 or FP8 e4m3 codes `[M, K]` and float32 scales: `[M]` from
-    each row's absmax, or `[1]` from the static `absmax`."""
-    assert x.dim() == 2 and x.stride(1) == 1 and x.shape[0] > 0
+    each row's absmax, or `[1]` from the static `absmax`. `launch` wraps the kernel
+    (`torch.library.wrap_triton` inside a `triton_op`, so Inductor launches it itself)."""
+    assert x.dim() == 2 and x.stride(1) == 1
     m, k = x.shape
     static = absmax is not None
     q = torch.empty(m, k, dtype=CODES[kind], device=x.device)
     s = torch.empty(1 if static else m, dtype=torch.float32, device=x.device)
-    _quantize_rows_kernel[(m,)](x, q, s, absmax if static else s, k, x.stride(0), q.stride(0),
-                                STATIC=static, RECIP=x.is_cuda, FP8=kind == "fp8",
-                                BLOCK=min(BLOCK, triton.next_power_of_2(k)), num_warps=4)
+    launch(_quantize_rows_kernel)[(m,)](x, q, s, absmax if static else s, k, x.stride(0), q.stride(0),
+                                        STATIC=static, RECIP=x.is_cuda, FP8=kind == "fp8",
+                                        BLOCK=min(BLOCK, triton.next_power_of_2(k)), num_warps=4)
     return q, s

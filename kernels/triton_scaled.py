@@ -69,7 +69,7 @@ def _epilogue(acc, off_m, off_n, sa_ptr, sb_ptr, zc_ptr, rs_ptr, y_ptr, M, N, st
     if y_desc is not None:
         y_desc.store([off_m, off_n], out.to(y_desc.dtype))
     else:
-        y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+        y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]  # M × N can pass 2³¹
         tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 

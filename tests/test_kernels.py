@@ -1249,9 +1249,8 @@ def test_linear_entry_points_use_the_kernels():
 @needs_triton
 def test_custom_ops_only_under_torch_compile(monkeypatch):
     """Eager calls launch the kernels directly (the custom op's dispatch is host time an eager
-    prefill waits on); under torch.compile each GEMM, the decode attention and the activation
-    quantization is the custom op, one opaque node, so the whole function traces without a
-    graph break."""
+    prefill waits on); under torch.compile each GEMM and the decode attention is the custom op,
+    one opaque node, so the whole function traces without a graph break."""
     x = torch.randn(3, 96).half().to(DEV)
     p4 = layout.pack_wna16(canonical(48, 96, 4, 32), torch.float16).to(DEV)
     p8 = layout.quantize_int8_weight(torch.randn(48, 96)).to(DEV)
@@ -1262,8 +1261,7 @@ def test_custom_ops_only_under_torch_compile(monkeypatch):
 
     def both(x):
         y = ops.wna16_linear(x, p4) + ops.w8a8_linear(x, p8)
-        codes, scales = ops.quantize_rows(y, "int8")
-        return y, ops.decode_attention(q * y[0, 0], *cache), codes, scales
+        return y, ops.decode_attention(q * y[0, 0], *cache)
 
     eager = both(x)
     traced = torch.compile(both, backend="aot_eager", fullgraph=True)(x)
@@ -1275,7 +1273,6 @@ def test_custom_ops_only_under_torch_compile(monkeypatch):
     monkeypatch.setattr(ops, "_wna16_mm_op", refuse)
     monkeypatch.setattr(ops, "_scaled_mm_op", refuse)
     monkeypatch.setattr(ops, "_decode_attention_op", refuse)
-    monkeypatch.setattr(ops, "_quantize_rows_op", refuse)
     assert all(torch.equal(a, b) for a, b in zip(both(x), eager))
 
 
@@ -1324,6 +1321,28 @@ def test_fp8_activation_quant_kernel_is_bit_identical(static):
     assert torch.equal(s, want_s) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
     q2, s2 = act.quantize(x)  # the kernel, through the runner's dispatch
     assert torch.equal(s2, s) and torch.equal(q2.view(torch.uint8), q.view(torch.uint8))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Inductor launches the Triton kernel on a GPU")
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_compiled_activation_quant_launches_the_kernel_bit_identically(kind):
+    """Under torch.compile the activation quantization is a `triton_op`: Inductor's code
+    launches the same Triton kernel (no graph break, no custom-op call) and the codes and
+    scales equal the eager ones bit for bit, next to a fused RMSNorm in front of it."""
+    from torch._inductor.utils import run_and_get_code
+
+    x = (torch.randn(37, 1536, generator=torch.Generator().manual_seed(1)) * 4).to(torch.bfloat16).cuda()
+
+    def quantize(x):
+        h = x.float()
+        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+        return ops.quantize_rows(h, kind)
+
+    eager = quantize(x)
+    compiled, code = run_and_get_code(torch.compile(quantize, fullgraph=True, dynamic=True), x)
+    assert "_quantize_rows_kernel" in "".join(code)
+    assert all(torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
+                           b.view(torch.uint8) if b.dtype.itemsize == 1 else b) for a, b in zip(compiled, eager))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
