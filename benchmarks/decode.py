@@ -788,6 +788,9 @@ def markdown(res: dict[str, Any]) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     rows = res["rows"]
+    missing = [s for s in a["schemes"] if not any(r["scheme"] == s for r in rows)]
+    if missing:  # saved after each combination: a run stopped by a time limit keeps what it measured
+        lines[2:2] = [f"Not reached (the run ended before them): {', '.join(missing)}.", ""]
     index = {(r["scheme"], r["prompt_len"], r["batch"]): r for r in rows}
     order = {s: i for i, s in enumerate(SCHEMES)}
 
