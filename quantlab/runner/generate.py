@@ -94,6 +94,14 @@ def compile_options() -> dict[str, bool]:
     return {"triton.cudagraphs": True, **({"triton.enable_pdl": True} if ops.pdl_requested() else {})}
 
 
+def compile_failed(error: Exception, fallback: bool, instead: str) -> None:
+    """A compiled step failed: re-raise unless its mode was "auto", else warn what runs instead."""
+    if not fallback:
+        raise error
+    warnings.warn(f"torch.compile failed ({type(error).__name__}: {str(error)[:200]}); {instead} instead",
+                  stacklevel=3)
+
+
 class DecodeStep:
     """`step(tokens [B], pos: int) -> logits [B, V]`: one decode step, eager, graphed or compiled."""
 
@@ -129,10 +137,7 @@ class DecodeStep:
             try:
                 return self._compiled().clone()
             except Exception as e:  # noqa: BLE001 — Inductor or its toolchain can be missing
-                if not self.fallback:
-                    raise
-                warnings.warn(f"torch.compile failed ({type(e).__name__}: {str(e)[:200]}); "
-                              "decoding with CUDA graphs instead", stacklevel=2)
+                compile_failed(e, self.fallback, "decoding with CUDA graphs")
                 self.mode, self._compiled = "graphs", None
                 return self(tokens, pos)
         if self._graph is None:
@@ -164,10 +169,7 @@ class Prefill:
             try:
                 return self.model(ids, pos, attend_len=length, last_only=True, run_layer=self._layer)[:, -1]
             except Exception as e:  # noqa: BLE001 — Inductor or its toolchain can be missing
-                if not self.fallback:
-                    raise
-                warnings.warn(f"torch.compile failed ({type(e).__name__}: {str(e)[:200]}); "
-                              "prefilling eagerly instead", stacklevel=2)
+                compile_failed(e, self.fallback, "prefilling eagerly")
                 self.mode, self._layer = "eager", None
         return self.model(ids, pos, attend_len=length, last_only=True)[:, -1]
 
