@@ -131,27 +131,25 @@ def attention_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: t
     return fn(q, k, v, pos, start)
 
 
-@torch.library.triton_op("quantlab::quantize_rows", mutates_args=())
-def _quantize_rows_op(x: torch.Tensor, kind: str, absmax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    from quantlab.kernels.triton_act import quantize_rows as kernel
-
-    return kernel(x, kind, absmax, launch=torch.library.wrap_triton)
-
-
-def _quantize_rows_direct(x, kind, absmax):
+def quantize_rows(x: torch.Tensor, kind: str, absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """8-bit codes and scales of `x [M, K]` in one Triton launch (`triton_act.quantize_rows`):
+    per row, or with the one static `absmax`. Under torch.compile the `triton_op`
+    `quantlab::quantize_rows` (`register_compiled_ops`): Inductor launches this kernel from its
+    own code (no custom-op dispatch, 40–75 µs of host time a call), so a compiled forward
+    quantizes bit for bit as the eager one does — Inductor's fusion of the torch ops would
+    divide with approximate division, which can move a code."""
+    if torch.compiler.is_compiling():
+        return torch.ops.quantlab.quantize_rows(x, kind, absmax)
     from quantlab.kernels.triton_act import quantize_rows as kernel
 
     return kernel(x, kind, absmax)
 
 
-def quantize_rows(x: torch.Tensor, kind: str, absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """8-bit codes and scales of `x [M, K]` in one Triton launch (`triton_act.quantize_rows`):
-    per row, or with the one static `absmax`. Under torch.compile a `triton_op`: Inductor
-    launches this kernel from its own code (no custom-op dispatch, 40–75 µs of host time a
-    call), so a compiled forward quantizes bit for bit as the eager one does — Inductor's
-    fusion of the torch ops would divide with approximate division, which can move a code."""
-    fn = _quantize_rows_op if torch.compiler.is_compiling() else _quantize_rows_direct
-    return fn(x, kind, absmax)
+def register_compiled_ops() -> None:
+    """Register the `triton_op`s torch.compile traces into (they live with their kernels and
+    import triton, which this module does not) before a compiled function first runs."""
+    if triton_installed():
+        import quantlab.kernels.triton_act  # noqa: F401
 
 
 def _wna16_direct(x, qweight, scales, zeros, perm, bits, group_size, in_features, out_features, impl):

@@ -87,3 +87,9 @@ def quantize_rows(x: torch.Tensor, kind: str = "int8", absmax: torch.Tensor | No
                                         STATIC=static, RECIP=x.is_cuda, FP8=kind == "fp8",
                                         BLOCK=min(BLOCK, triton.next_power_of_2(k)), num_warps=4)
     return q, s
+
+
+@torch.library.triton_op("quantlab::quantize_rows", mutates_args=())
+def quantize_rows_op(x: torch.Tensor, kind: str, absmax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` as an op torch.compile traces into: Inductor launches the kernel itself."""
+    return quantize_rows(x, kind, absmax, launch=torch.library.wrap_triton)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 
 import torch
 
@@ -149,6 +151,16 @@ def test_pack_fp8_from_canonical():
         assert torch.allclose(p.w.float() * p.scale.reshape(-1, 1), qw.dequantize(), atol=1e-6)
 
 
+def test_dispatch_and_runner_import_no_triton():
+    """`quantlab.kernels.ops` and the runner load no triton at import (the kernels import it
+    when first run, `register_compiled_ops` before a compile): quantlab loads where triton is
+    absent, and this file's TRITON_INTERPRET, set when it is collected, still applies to a
+    triton the earlier test files did not import."""
+    code = "import sys, quantlab.kernels.ops, quantlab.runner; assert 'triton' not in sys.modules"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
 def test_dispatch_falls_back_to_reference_without_triton(monkeypatch):
     qw = canonical(40, 200, 4, 64)
     p = layout.pack_wna16(qw, torch.float16)
@@ -270,9 +282,6 @@ print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps"
 def compiled_in_subprocess(script: str, *args: str) -> str:
     """What `script` prints, run with `args` by this Python outside the interpreter mode (it
     compiles kernels for sm_90, no GPU needed)."""
-    import subprocess
-    import sys
-
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env,
                          timeout=300)
@@ -1339,6 +1348,7 @@ def test_compiled_activation_quant_launches_the_kernel_bit_identically(kind):
         h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
         return ops.quantize_rows(h, kind)
 
+    ops.register_compiled_ops()
     eager = quantize(x)
     compiled, code = run_and_get_code(torch.compile(quantize, fullgraph=True, dynamic=True), x)
     assert "_quantize_rows_kernel" in "".join(code)

@@ -117,8 +117,10 @@ class DecodeStep:
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._logits: torch.Tensor | None = None
-        self._compiled = torch.compile(self._forward, fullgraph=False, options=compile_options()) \
-            if mode == "compile" else None
+        self._compiled = None
+        if mode == "compile":
+            ops.register_compiled_ops()
+            self._compiled = torch.compile(self._forward, fullgraph=False, options=compile_options())
 
     def _forward(self) -> torch.Tensor:
         return self.model(self.tok, self.pos)[:, -1]
@@ -160,7 +162,10 @@ class Prefill:
         if mode == "auto":
             mode = "compile" if model.device.type == "cuda" else "eager"
         self.model, self.mode = model, mode
-        self._layer = torch.compile(call_layer, dynamic=True) if mode == "compile" else None
+        self._layer = None
+        if mode == "compile":
+            ops.register_compiled_ops()
+            self._layer = torch.compile(call_layer, dynamic=True)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         length = ids.shape[1]
