@@ -24,8 +24,9 @@ tokens/s (batch × prompt tokens / prefill time) and decode tokens/s (batch × (
 decode-loop time). Each batch starts from released KV caches and fresh prefill and decode steps
 (`torch._dynamo.reset()` on a GPU: its steps compile as in a fresh process, not as the n-th
 recompile of one frame, `release`); its prompt lengths share caches sized for the longest
-prompt, so the compiled prefill (dynamic in the prompt length) and the decode step are shared. The runner decodes under a captured CUDA
-graph or compiled step on a GPU (`--decode`), eagerly on CPU.
+prompt, so the compiled prefill (dynamic in the prompt length) and the decode step are shared.
+The runner decodes under a captured CUDA graph or compiled step on a GPU (`--decode`), eagerly
+on CPU.
 
 Each decode row also gives the fraction of the HBM roofline: the bytes one decode step must read
 (the Linears' weights, `quantlab.runner.linear.weight_bytes` — or the float parameters less the
@@ -288,7 +289,7 @@ def release(model, device: torch.device) -> None:
     """Drop the runner's KV caches and its prefill and decode steps (a captured graph or a
     compiled step holds its own memory pool) so that a batch allocates only its own, and on a
     GPU forget the compiled frames (`torch._dynamo.reset()`): every (batch, cache length)
-    compiles new steps of the same frames (`Prefill._forward`, `DecodeStep._forward`);
+    compiles new steps of the same frames (the prefill's `call_layer`, `DecodeStep._forward`);
     recompiles count toward dynamo's recompile limit (8), past which a frame runs eagerly, and
     a changed shape can recompile it with dynamic shapes. Each batch's steps are compiled as in
     a fresh process."""
@@ -379,8 +380,8 @@ def measure(model, label: str, args, device: torch.device, config, rows: list[di
     cache_len = max(args.prompts) + args.new_tokens
     for batch in args.batches:
         release(model, device)  # a batch's prompt lengths share its caches and compiled steps
+        why = kv_fits(config, device, batch, cache_len, element_size)
         for prompt_len in args.prompts:
-            why = kv_fits(config, device, batch, cache_len, element_size)
             if why is not None:
                 rows.append(not_reached(label, prompt_len, batch, args, why, oom=True))
             else:

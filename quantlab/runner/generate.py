@@ -168,15 +168,18 @@ class Prefill:
             self._layer = torch.compile(call_layer, dynamic=True)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        length = ids.shape[1]
-        pos = torch.arange(length, device=ids.device)
         if self._layer is not None:
             try:
-                return self.model(ids, pos, attend_len=length, last_only=True, run_layer=self._layer)[:, -1]
+                return self._logits(ids, self._layer)
             except Exception as e:  # noqa: BLE001 — Inductor or its toolchain can be missing
                 compile_failed(e, self.fallback, "prefilling eagerly")
                 self.mode, self._layer = "eager", None
-        return self.model(ids, pos, attend_len=length, last_only=True)[:, -1]
+        return self._logits(ids, call_layer)
+
+    def _logits(self, ids: torch.Tensor, run_layer: Callable[..., torch.Tensor]) -> torch.Tensor:
+        length = ids.shape[1]
+        pos = torch.arange(length, device=ids.device)
+        return self.model(ids, pos, attend_len=length, last_only=True, run_layer=run_layer)[:, -1]
 
 
 def prefill_step(model: Transformer, mode: PrefillMode = "auto") -> Prefill:
